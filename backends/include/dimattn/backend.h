@@ -1,0 +1,90 @@
+#pragma once
+// The Backend interface: raw primitives over positional axes, plus the
+// attention hook. Backends never reason about names; the frontend maps names
+// to axes before it calls them and after they return.
+//
+// Conventions for every primitive:
+// - shapes are row-major, axis 0 outermost; a rank-0 tensor has shape {};
+// - binary ops and where() take operands of equal rank and broadcast axes of
+//   size 1 (numpy rules);
+// - results are new tensors or views; callers never write into operands.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dimattn/attention_call.h"
+#include "dimattn/dtype.h"
+#include "dimattn/tensor.h"
+
+namespace dimattn {
+
+using Shape = std::vector<int64_t>;
+
+enum class BinaryOp { add, sub, mul, div, maximum, minimum, eq, ne, lt, le, gt, ge, logical_and, logical_or };
+enum class UnaryOp { neg, exp, log, sqrt, abs, logical_not };
+enum class ReduceOp { sum, max, min, mean, logsumexp };
+enum class RandomKind { normal, uniform };
+
+const char* op_name(BinaryOp);
+const char* op_name(UnaryOp);
+const char* op_name(ReduceOp);
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual std::string name() const = 0;
+  virtual bool supports(Device device) const = 0;
+  virtual bool has_autograd() const { return false; }
+
+  // --- creation and host transfer (data row-major, as double) ---
+  virtual RawPtr full(const Shape& shape, double value, DType dtype, Device device) = 0;
+  virtual RawPtr from_host(const Shape& shape, const std::vector<double>& data, DType dtype, Device device) = 0;
+  virtual std::vector<double> to_host(const RawPtr& x) = 0;
+  // Same seed, shape and dtype give the same values on the same backend.
+  virtual RawPtr random(const Shape& shape, RandomKind kind, double a, double b, uint64_t seed, DType dtype,
+                        Device device) = 0;
+  virtual RawPtr arange(int64_t n, DType dtype, Device device) = 0;
+
+  // --- introspection ---
+  virtual Shape shape(const RawPtr& x) = 0;
+
+  // --- layout ---
+  virtual RawPtr cast(const RawPtr& x, DType dtype) = 0;
+  virtual RawPtr to_device(const RawPtr& x, Device device) = 0;
+  virtual RawPtr permute(const RawPtr& x, const std::vector<int>& perm) = 0;
+  // pre: product of shape equals x's element count.
+  virtual RawPtr reshape(const RawPtr& x, const Shape& shape) = 0;
+  // Broadcast size-1 axes to `shape` (same rank); may be a zero-stride view.
+  virtual RawPtr expand(const RawPtr& x, const Shape& shape) = 0;
+  virtual RawPtr concat(const std::vector<RawPtr>& xs, int axis) = 0;
+  virtual RawPtr slice(const RawPtr& x, int axis, int64_t start, int64_t end) = 0;
+  // take_along_axis: idx (int64) has x's rank and x's sizes except on `axis`;
+  // out[..., i, ...] = x[..., idx[..., i, ...], ...].
+  virtual RawPtr gather(const RawPtr& x, int axis, const RawPtr& idx) = 0;
+
+  // --- math ---
+  virtual RawPtr binary(BinaryOp op, const RawPtr& a, const RawPtr& b) = 0;
+  virtual RawPtr unary(UnaryOp op, const RawPtr& x) = 0;
+  virtual RawPtr where(const RawPtr& cond, const RawPtr& a, const RawPtr& b) = 0;
+  // Removes `axes` (sorted, unique).
+  virtual RawPtr reduce(ReduceOp op, const RawPtr& x, const std::vector<int>& axes) = 0;
+  virtual RawPtr softmax(const RawPtr& x, int axis, bool log) = 0;
+  // Batched matrix product: a [B, M, K] x b [B, K, N] -> [B, M, N].
+  virtual RawPtr bmm(const RawPtr& a, const RawPtr& b) = 0;
+
+  // --- autograd (only where has_autograd()) ---
+  virtual void set_requires_grad(const RawPtr& x, bool on);
+  virtual bool requires_grad(const RawPtr& x);
+  virtual RawPtr grad(const RawPtr& x);  // nullptr when none
+  virtual void backward(const RawPtr& scalar);
+
+  // --- attention hook ---
+  // The default is the reference path, written once on the named ops
+  // (frontend/src/attention_reference.cpp). A backend overrides this to add
+  // fast paths and calls Backend::scaled_dot_product_attention to fall back.
+  virtual AttentionResult scaled_dot_product_attention(const AttentionCall& call);
+};
+
+}  // namespace dimattn

@@ -1,0 +1,46 @@
+#pragma once
+// dot_attention: scaled dot-product attention over named dims, with RETURNN's
+// semantics (DESIGN.md §3).
+//
+//   query  {..., key_dim}            keys {..., axis, key_dim}
+//   values {..., axis, v_feat...}    -> values' dims without axis, plus the
+//                                       query's dims that keys/values lack
+//
+// - Dims shared by query and keys/values (other than axis) are batch dims.
+// - Query dims absent from keys/values (e.g. beam) are merged into the query
+//   spatial dim and split back afterwards: keys and values are never tiled.
+// - A query without any such dim (one decoding step) is given a size-1 query
+//   dim, removed again from the result. Keys dims absent from the query are
+//   broadcast.
+// - `axis` in the query means full self-attention (the kv side is relabelled).
+// - Causal: query position i attends kv positions <= i + causal_offset.
+// - A dynamic `axis` masks padding; a query row without any valid kv position
+//   gives output 0 and weights 0, never NaN.
+// - Dropout acts only while the train flag is on (run_context.h).
+#include <optional>
+
+#include "dimattn/dim.h"
+#include "dimattn/tensor.h"
+
+namespace dimattn {
+
+struct AttentionOptions {
+  Dim key_dim;  // feature dim shared by query and keys, reduced in q·k
+  Dim axis;     // the keys/values spatial dim attended over
+  double att_dropout = 0.0;
+  // Draw one dropout mask over `axis` only, shared by every other dim.
+  bool att_dropout_broadcast = false;
+  // Set for causal attention: the query's spatial dim (== axis for causal
+  // self-attention).
+  std::optional<Dim> causal_query_spatial_dim;
+  // For causal attention of a chunk appended to a history: the history
+  // length, an integer tensor over (a subset of) the batch dims, or rank 0.
+  // Absent: 0, and query and kv extents must then be equal.
+  std::optional<Tensor> causal_offset;
+  // Default: 1/sqrt(extent(key_dim)).
+  std::optional<double> scale;
+};
+
+Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& opts);
+
+}  // namespace dimattn

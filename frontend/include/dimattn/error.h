@@ -1,0 +1,33 @@
+#pragma once
+// The one exception type dimattn throws for bad input or unsupported requests.
+// Messages start with the op in brackets ("[matmul] ..."), name the dims
+// involved with their sizes, and say what to do instead where there is an
+// alternative.
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace dimattn {
+
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+namespace detail {
+template <class... Parts>
+[[noreturn]] void fail(const char* op, const Parts&... parts) {
+  std::ostringstream os;
+  os << '[' << op << "] ";
+  (os << ... << parts);
+  throw Error(os.str());
+}
+}  // namespace detail
+
+// Throws dimattn::Error "[op] parts..." when cond is false.
+template <class... Parts>
+void check(bool cond, const char* op, const Parts&... parts) {
+  if (!cond) detail::fail(op, parts...);
+}
+
+}  // namespace dimattn

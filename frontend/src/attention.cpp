@@ -1,0 +1,144 @@
+// dot_attention: names -> roles, the call to the backend's hook, roles -> names.
+#include "dimattn/attention.h"
+
+#include <cmath>
+
+#include "dimattn/backend.h"
+#include "dimattn/forcing.h"
+#include "dimattn/run_context.h"
+#include "dimattn/trace.h"
+#include "frontend/src/attention_reference.h"
+#include "frontend/src/op_util.h"
+
+namespace dimattn {
+using namespace detail;
+
+namespace {
+constexpr const char* kOp = "dot_attention";
+
+// A new dim like `d` (same extent, same lengths if dynamic) for the kv side of
+// self-attention.
+Dim fresh_like(const Dim& d) {
+  if (d.is_dynamic()) return Dim::dynamic(d.name() + "'", d.lengths(), d.extent());
+  return Dim(d.name() + "'", d.extent());
+}
+
+void validate(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& o) {
+  common_backend(kOp, {&query, &keys, &values});
+  check_same_dtype(kOp, {&query, &keys, &values});
+  check(is_floating(query.dtype()), kOp, "needs floating query, keys and values; got ", query.repr());
+  check(o.key_dim != o.axis, kOp, "key_dim and axis are the same dim ", o.axis.repr());
+  check(query.has(o.key_dim), kOp, "key_dim ", o.key_dim.repr(), " is not in query ", repr(query.dims()),
+        "; pass the query's feature dim as key_dim");
+  check(keys.has(o.key_dim), kOp, "key_dim ", o.key_dim.repr(), " is not in keys ", repr(keys.dims()),
+        "; query and keys must share key_dim");
+  check(!o.key_dim.is_dynamic(), kOp, "key_dim ", o.key_dim.repr(), " must be static");
+  check(o.key_dim.extent() > 0, kOp, "key_dim ", o.key_dim.repr(), " is empty; the default scale 1/sqrt(0) ",
+        "is undefined");
+  check(keys.has(o.axis), kOp, "axis ", o.axis.repr(), " is not in keys ", repr(keys.dims()),
+        "; pass the keys' spatial dim as axis");
+  check(values.has(o.axis), kOp, "axis ", o.axis.repr(), " is not in values ", repr(values.dims()),
+        "; keys and values must share axis");
+  check(o.att_dropout >= 0 && o.att_dropout < 1, kOp, "att_dropout must be in [0, 1), got ", o.att_dropout);
+  if (o.scale)
+    check(std::isfinite(*o.scale), kOp, "scale must be finite, got ", *o.scale,
+          "; leave it unset for 1/sqrt(extent(key_dim))");
+}
+
+}  // namespace
+
+Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& o) {
+  validate(query, keys, values, o);
+  Tensor q = query, k = keys, v = values;
+
+  // Rule 5: axis in the query means self-attention; relabel the kv side.
+  Dim kv_axis = o.axis;
+  if (query.has(o.axis)) {
+    kv_axis = fresh_like(o.axis);
+    k = replace_dim(k, o.axis, kv_axis);
+    v = replace_dim(v, o.axis, kv_axis);
+  }
+
+  // Roles (rule 2): shared dims are batch dims; the query's own dims are its
+  // spatial dims; keys/values' own dims are broadcast or value features.
+  const Dims all_kv = union_dims(k.dims(), v.dims());
+  Dims batch, query_only, value_feature, keys_only;
+  for (const Dim& d : q.dims()) {
+    if (d == o.key_dim) continue;
+    (contains(all_kv, d) ? batch : query_only).push_back(d);
+  }
+  for (const Dim& d : v.dims())
+    if (d == o.key_dim || (d != kv_axis && !k.has(d) && !q.has(d))) value_feature.push_back(d);
+  for (const Dim& d : all_kv)
+    if (d != kv_axis && d != o.key_dim && !q.has(d) && !contains(value_feature, d)) keys_only.push_back(d);
+
+  // Rule 6: causal.
+  const bool causal = o.causal_query_spatial_dim.has_value();
+  if (causal) {
+    const Dim& cq = *o.causal_query_spatial_dim;
+    check(q.has(cq), kOp, "causal_query_spatial_dim ", cq.repr(), " is not in query ", repr(query.dims()));
+    check(contains(query_only, cq), kOp, "causal_query_spatial_dim ", cq.repr(), " is shared with keys/values ",
+          repr(all_kv), "; for causal self-attention pass axis = causal_query_spatial_dim");
+    if (o.causal_offset) {
+      const Tensor& off = *o.causal_offset;
+      common_backend(kOp, {&query, &off});
+      check(off.dtype() == DType::int32 || off.dtype() == DType::int64, kOp, "causal_offset must be int32 or int64, got ",
+            off.repr());
+      check(without(off.dims(), batch).empty(), kOp, "causal_offset dims ", repr(off.dims()),
+            " must be batch dims of the call ", repr(batch));
+    } else {
+      check(cq.extent() == kv_axis.extent(), kOp, "causal attention without causal_offset needs equal query and kv ",
+            "extents; query ", cq.repr(), " vs kv ", o.axis.repr(),
+            ". For a chunk appended to a history pass causal_offset = history length");
+    }
+  } else {
+    check(!o.causal_offset, kOp, "causal_offset is set but causal_query_spatial_dim is not");
+  }
+
+  // Rules 3 and 4: the query's own dims are its spatial dim (the causal dim,
+  // else the innermost) and groups; none means one decoding step, given a
+  // size-1 dim. Keys and values are never tiled over any of them.
+  const bool dummy = query_only.empty();
+  Dim query_spatial = dummy ? Dim("query_step", 1) : causal ? *o.causal_query_spatial_dim : query_only.back();
+  if (dummy) q = expand_dim(q, query_spatial);
+  const Dims query_groups = without(query_only, {query_spatial});
+
+  const bool dropout_on = train_flag() && o.att_dropout > 0;
+  AttentionCall call{.query = q,
+                     .keys = k,
+                     .values = v,
+                     .batch = batch,
+                     .keys_only = keys_only,
+                     .query_groups = query_groups,
+                     .query_spatial = query_spatial,
+                     .kv_spatial = kv_axis,
+                     .key_dim = o.key_dim,
+                     .value_feature = value_feature,
+                     .scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(o.key_dim.extent()))),
+                     .causal = causal,
+                     .causal_offset = o.causal_offset,
+                     .dropout = dropout_on ? o.att_dropout : 0.0,
+                     .dropout_broadcast = o.att_dropout_broadcast,
+                     .dropout_seed = dropout_on ? next_random_seed() : 0,
+                     .dropout_offset = 0};
+
+  auto restore = [&](const Tensor& t) { return dummy ? squeeze(t, query_spatial) : t; };
+
+  if (TraceScope::capturing()) {
+    const KernelForce force = current_kernel_force();
+    check(force.allows("reference"), kOp, "a TraceScope capturing energies needs the reference path, but kernels are ",
+          "forced to '", force.describe(), "'; use TraceScope(false) to trace only kernel names");
+    ReferenceAttention ref = reference_attention(call);
+    Tensor out = restore(ref.output);
+    TraceScope::record({"reference", out, restore(ref.energy), restore(ref.att_weights), q.shape(), k.shape(),
+                        v.shape()});
+    return out;
+  }
+  AttentionResult r = query.backend().scaled_dot_product_attention(call);
+  Tensor out = restore(r.output);
+  if (TraceScope::active())
+    TraceScope::record({r.kernel, out, std::nullopt, std::nullopt, q.shape(), k.shape(), v.shape()});
+  return out;
+}
+
+}  // namespace dimattn

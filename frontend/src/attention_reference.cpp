@@ -1,0 +1,87 @@
+#include "frontend/src/attention_reference.h"
+
+#include <limits>
+
+#include "dimattn/backend.h"
+#include "dimattn/forcing.h"
+#include "dimattn/ops.h"
+#include "frontend/src/op_util.h"
+#include "kernels/common/philox.h"
+
+namespace dimattn {
+namespace detail {
+
+Tensor attention_dropout_keep_mask(const AttentionCall& c, const Tensor& like) {
+  const double p = c.dropout;
+  const int64_t nk = c.kv_spatial.extent();
+  if (c.dropout_broadcast) {
+    std::vector<double> keep(nk);
+    for (int64_t k = 0; k < nk; ++k)
+      keep[k] = kernels::dropout_uniform_broadcast(c.dropout_seed, static_cast<uint32_t>(c.dropout_offset),
+                                                   static_cast<uint32_t>(k)) >= p;
+    return from_host({c.kv_spatial}, keep, options_like(like, DType::boolean));
+  }
+  Dims flat = c.batch;
+  flat.insert(flat.end(), c.keys_only.begin(), c.keys_only.end());
+  flat.insert(flat.end(), c.query_groups.begin(), c.query_groups.end());
+  int64_t nbh = 1;
+  for (const Dim& d : flat) nbh *= d.extent();
+  const int64_t nq = c.query_spatial.extent();
+  std::vector<double> keep(static_cast<size_t>(nbh * nq * nk));
+  size_t i = 0;
+  for (int64_t bh = 0; bh < nbh; ++bh)
+    for (int64_t q = 0; q < nq; ++q)
+      for (int64_t k = 0; k < nk; ++k)
+        keep[i++] = kernels::dropout_uniform(c.dropout_seed, static_cast<uint32_t>(c.dropout_offset),
+                                             static_cast<uint32_t>(bh), static_cast<uint32_t>(q),
+                                             static_cast<uint32_t>(k)) >= p;
+  Dims dims = flat;
+  dims.push_back(c.query_spatial);
+  dims.push_back(c.kv_spatial);
+  return from_host(dims, keep, options_like(like, DType::boolean));
+}
+
+ReferenceAttention reference_attention(const AttentionCall& c) {
+  // 16-bit inputs are computed in float32: the reference is the accurate side.
+  const DType in_dtype = c.query.dtype();
+  const DType dt = (in_dtype == DType::bfloat16 || in_dtype == DType::float16) ? DType::float32 : in_dtype;
+  const Tensor q = cast(c.query, dt), k = cast(c.keys, dt), v = cast(c.values, dt);
+
+  Tensor energy = matmul(mul(q, c.scale), k, {c.key_dim});
+
+  std::optional<Tensor> valid;
+  if (c.kv_spatial.is_dynamic()) valid = sequence_mask(c.kv_spatial, options_like(energy));
+  if (c.causal) {
+    const TensorOptions int_opts = options_like(energy, DType::int64);
+    Tensor limit = range_over_dim(c.query_spatial, int_opts);
+    if (c.causal_offset) limit = add(limit, cast(*c.causal_offset, DType::int64));
+    Tensor allowed = compare(range_over_dim(c.kv_spatial, int_opts), Compare::le, limit);
+    valid = valid ? logical_and(*valid, allowed) : allowed;
+  }
+
+  Tensor weights = energy;
+  if (valid) {
+    weights = where(*valid, energy, -std::numeric_limits<double>::infinity());
+    // A row without any valid position is NaN after softmax; the mask zeroes it.
+    weights = where(*valid, softmax(weights, c.kv_spatial), 0.0);
+  } else {
+    weights = softmax(weights, c.kv_spatial);
+  }
+  if (c.dropout > 0) {
+    Tensor keep = attention_dropout_keep_mask(c, weights);
+    weights = where(keep, mul(weights, 1.0 / (1.0 - c.dropout)), 0.0);
+  }
+  Tensor out = cast(matmul(weights, v, {c.kv_spatial}), in_dtype);
+  return {out, energy, weights};
+}
+
+}  // namespace detail
+
+AttentionResult Backend::scaled_dot_product_attention(const AttentionCall& call) {
+  const KernelForce force = current_kernel_force();
+  check(force.allows("reference"), "dot_attention", "kernels are forced to '", force.describe(), "', but backend '",
+        name(), "' has only the reference path; force 'reference' or 'auto', or use another backend");
+  return {detail::reference_attention(call).output, "reference"};
+}
+
+}  // namespace dimattn

@@ -1,0 +1,21 @@
+#pragma once
+// The reference path of dot_attention, written once on the named ops, run by
+// every backend: scale query -> matmul -> masks -> softmax -> dropout -> matmul.
+#include "dimattn/attention_call.h"
+
+namespace dimattn::detail {
+
+struct ReferenceAttention {
+  Tensor output;       // the call's output dims, in the query's dtype
+  Tensor energy;       // q·k·scale before masking; float32 for 16-bit inputs
+  Tensor att_weights;  // after masking, softmax and dropout
+};
+
+ReferenceAttention reference_attention(const AttentionCall& call);
+
+// The keep mask of attention dropout over `dims` (broadcast: [kv_spatial];
+// else batch ∪ keys_only ∪ query_groups, query_spatial, kv_spatial), drawn from the shared
+// Philox stream (kernels/common/philox.h), as a bool tensor beside `like`.
+Tensor attention_dropout_keep_mask(const AttentionCall& call, const Tensor& like);
+
+}  // namespace dimattn::detail

@@ -1,0 +1,33 @@
+#pragma once
+// Helpers shared by the named ops: operand checks and the name -> axis mapping.
+#include <initializer_list>
+
+#include "dimattn/backend.h"
+#include "dimattn/error.h"
+#include "dimattn/ops.h"
+#include "dimattn/tensor.h"
+
+namespace dimattn::detail {
+
+// The backend all operands live on. Throws, naming both, when they differ in
+// backend or device.
+Backend& common_backend(const char* op, std::initializer_list<const Tensor*> operands);
+// Throws unless every operand has the same dtype.
+void check_same_dtype(const char* op, std::initializer_list<const Tensor*> operands);
+// Options to make a tensor beside x (same backend and device).
+TensorOptions options_like(const Tensor& x, DType dtype);
+TensorOptions options_like(const Tensor& x);
+// pre: d in x.
+void check_has(const char* op, const Tensor& x, const Dim& d, const char* role);
+// a's dims, then b's dims that a lacks.
+Dims union_dims(const Dims& a, const Dims& b);
+Dims without(const Dims& dims, const Dims& remove);
+// A rank-0 tensor with x's dtype, device and backend.
+Tensor scalar_like(const Tensor& x, double value);
+
+// x's raw tensor with its dims permuted into their order in `order` and a
+// size-1 axis for each dim of `order` that x lacks (broadcast to the dim's
+// extent when expand). pre: every dim of x is in order.
+RawPtr aligned_raw(const char* op, const Tensor& x, const Dims& order, bool expand);
+
+}  // namespace dimattn::detail
