@@ -50,7 +50,11 @@ class TorchBackend : public Backend {
   RawPtr grad(const RawPtr& x) override;
   void backward(const RawPtr& scalar) override;
 
-  // scaled_dot_product_attention: the base class's reference path for now.
+  // The fast path (torch_attention.cpp): ATen's SDPA kernels behind kernel
+  // selection, falling back to the reference path.
+  AttentionResult scaled_dot_product_attention(const AttentionCall& call) override;
+  Decision explain_attention(const AttentionCall& call) override;
+  std::vector<std::string> attention_kernels(Device device) const override;
 };
 
 }  // namespace dimattn::torch_backend

@@ -39,15 +39,24 @@ void validate(const Tensor& query, const Tensor& keys, const Tensor& values, con
         "; pass the keys' spatial dim as axis");
   check(values.has(o.axis), kOp, "axis ", o.axis.repr(), " is not in values ", repr(values.dims()),
         "; keys and values must share axis");
+  if (o.axis.is_dynamic())
+    for (const Dim& d : o.axis.lengths().dims())
+      check(keys.has(d), kOp, "the lengths of axis ", o.axis.repr(), " vary over ", d.repr(),
+            ", which keys ", repr(keys.dims()), " lack; give keys that dim or use a static axis");
   check(o.att_dropout >= 0 && o.att_dropout < 1, kOp, "att_dropout must be in [0, 1), got ", o.att_dropout);
   if (o.scale)
     check(std::isfinite(*o.scale), kOp, "scale must be finite, got ", *o.scale,
           "; leave it unset for 1/sqrt(extent(key_dim))");
 }
 
-}  // namespace
+// A call with names turned into roles; `dummy` when the query got a size-1
+// spatial dim that the result must lose again.
+struct Prepared {
+  AttentionCall call;
+  bool dummy;
+};
 
-Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& o) {
+Prepared prepare(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& o) {
   validate(query, keys, values, o);
   Tensor q = query, k = keys, v = values;
 
@@ -122,7 +131,21 @@ Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& valu
                      .dropout_seed = dropout_on ? next_random_seed() : 0,
                      .dropout_offset = 0};
 
-  auto restore = [&](const Tensor& t) { return dummy ? squeeze(t, query_spatial) : t; };
+  return {call, dummy};
+}
+
+}  // namespace
+
+Decision explain_attention(const Tensor& query, const Tensor& keys, const Tensor& values,
+                           const AttentionOptions& opts) {
+  const AttentionCall call = prepare(query, keys, values, opts).call;
+  return query.backend().explain_attention(call);
+}
+
+Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& o) {
+  const auto [call, dummy] = prepare(query, keys, values, o);
+  const Tensor &q = call.query, &k = call.keys, &v = call.values;
+  auto restore = [&](const Tensor& t) { return dummy ? squeeze(t, call.query_spatial) : t; };
 
   if (TraceScope::capturing()) {
     const KernelForce force = current_kernel_force();

@@ -4,12 +4,12 @@
 
 #include "dimattn/backend.h"
 #include "dimattn/forcing.h"
+#include "dimattn/selection.h"
 #include "dimattn/ops.h"
 #include "frontend/src/op_util.h"
 #include "kernels/common/philox.h"
 
 namespace dimattn {
-namespace detail {
 
 Tensor attention_dropout_keep_mask(const AttentionCall& c, const Tensor& like) {
   const double p = c.dropout;
@@ -19,7 +19,7 @@ Tensor attention_dropout_keep_mask(const AttentionCall& c, const Tensor& like) {
     for (int64_t k = 0; k < nk; ++k)
       keep[k] = kernels::dropout_uniform_broadcast(c.dropout_seed, static_cast<uint32_t>(c.dropout_offset),
                                                    static_cast<uint32_t>(k)) >= p;
-    return from_host({c.kv_spatial}, keep, options_like(like, DType::boolean));
+    return from_host({c.kv_spatial}, keep, detail::options_like(like, DType::boolean));
   }
   Dims flat = c.batch;
   flat.insert(flat.end(), c.keys_only.begin(), c.keys_only.end());
@@ -38,8 +38,10 @@ Tensor attention_dropout_keep_mask(const AttentionCall& c, const Tensor& like) {
   Dims dims = flat;
   dims.push_back(c.query_spatial);
   dims.push_back(c.kv_spatial);
-  return from_host(dims, keep, options_like(like, DType::boolean));
+  return from_host(dims, keep, detail::options_like(like, DType::boolean));
 }
+
+namespace detail {
 
 ReferenceAttention reference_attention(const AttentionCall& c) {
   // 16-bit inputs are computed in float32: the reference is the accurate side.
@@ -77,11 +79,23 @@ ReferenceAttention reference_attention(const AttentionCall& c) {
 
 }  // namespace detail
 
-AttentionResult Backend::scaled_dot_product_attention(const AttentionCall& call) {
-  const KernelForce force = current_kernel_force();
-  check(force.allows("reference"), "dot_attention", "kernels are forced to '", force.describe(), "', but backend '",
-        name(), "' has only the reference path; force 'reference' or 'auto', or use another backend");
+// Backends without fast paths: the reference path is the only candidate.
+Decision Backend::explain_attention(const AttentionCall& call) {
+  static const std::vector<KernelCandidate> candidates = {{"reference", [](const AttentionParams&) {
+                                                             return GateResult::pass();
+                                                           }}};
+  return select_kernel(name(), attention_params(call, LayoutClass::separate, false), candidates);
+}
+
+std::vector<std::string> Backend::attention_kernels(Device) const { return {"reference"}; }
+
+AttentionResult Backend::reference_path(const AttentionCall& call) {
   return {detail::reference_attention(call).output, "reference"};
+}
+
+AttentionResult Backend::scaled_dot_product_attention(const AttentionCall& call) {
+  explain_attention(call);  // throws when forcing excludes the reference path
+  return reference_path(call);
 }
 
 }  // namespace dimattn

@@ -13,9 +13,4 @@ struct ReferenceAttention {
 
 ReferenceAttention reference_attention(const AttentionCall& call);
 
-// The keep mask of attention dropout over `dims` (broadcast: [kv_spatial];
-// else batch ∪ keys_only ∪ query_groups, query_spatial, kv_spatial), drawn from the shared
-// Philox stream (kernels/common/philox.h), as a bool tensor beside `like`.
-Tensor attention_dropout_keep_mask(const AttentionCall& call, const Tensor& like);
-
 }  // namespace dimattn::detail

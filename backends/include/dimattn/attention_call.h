@@ -40,6 +40,14 @@ struct AttentionCall {
   uint64_t dropout_offset = 0;
 };
 
+// The keep mask of the call's attention dropout, drawn from the shared Philox
+// stream (kernels/common/philox.h): a bool tensor beside `like` (same backend
+// and device) over {kv_spatial} for broadcast dropout, else over batch,
+// keys_only, query_groups, query_spatial and kv_spatial. Every path that
+// applies attention dropout uses this mask or the same Philox function.
+// pre: call.dropout > 0.
+Tensor attention_dropout_keep_mask(const AttentionCall& call, const Tensor& like);
+
 // What the attention hook returns: the output (dims as above) and the name of
 // the kernel that produced it ("reference", "aten_flash_cpu", ...).
 struct AttentionResult {

@@ -15,6 +15,7 @@
 
 #include "dimattn/attention_call.h"
 #include "dimattn/dtype.h"
+#include "dimattn/selection.h"
 #include "dimattn/tensor.h"
 
 namespace dimattn {
@@ -85,6 +86,16 @@ class Backend {
   // (frontend/src/attention_reference.cpp). A backend overrides this to add
   // fast paths and calls Backend::scaled_dot_product_attention to fall back.
   virtual AttentionResult scaled_dot_product_attention(const AttentionCall& call);
+  // The decision the hook would take for `call`, with every rejected
+  // candidate's reason (selection.h). Default: the reference path.
+  virtual Decision explain_attention(const AttentionCall& call);
+  // This backend's attention kernels on a device, in priority order (the
+  // last is "reference").
+  virtual std::vector<std::string> attention_kernels(Device device) const;
+
+ protected:
+  // The reference path itself, for overrides whose selection chose it.
+  AttentionResult reference_path(const AttentionCall& call);
 };
 
 }  // namespace dimattn

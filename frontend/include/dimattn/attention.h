@@ -20,6 +20,7 @@
 #include <optional>
 
 #include "dimattn/dim.h"
+#include "dimattn/selection.h"
 #include "dimattn/tensor.h"
 
 namespace dimattn {
@@ -42,5 +43,11 @@ struct AttentionOptions {
 };
 
 Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& opts);
+
+// Which kernel dot_attention would run for these operands on their backend,
+// and why each candidate before it was rejected. Runs nothing; throws like
+// dot_attention for bad input or a forced kernel that cannot run.
+Decision explain_attention(const Tensor& query, const Tensor& keys, const Tensor& values,
+                           const AttentionOptions& opts);
 
 }  // namespace dimattn
