@@ -1,7 +1,10 @@
 #include "frontend/src/attention_reference.h"
 
+#include <atomic>
+#include <cstdlib>
 #include <limits>
 
+#include "dimattn/attention.h"
 #include "dimattn/backend.h"
 #include "dimattn/forcing.h"
 #include "dimattn/selection.h"
@@ -41,12 +44,34 @@ Tensor attention_dropout_keep_mask(const AttentionCall& c, const Tensor& like) {
   return from_host(dims, keep, detail::options_like(like, DType::boolean));
 }
 
+namespace {
+std::atomic<int64_t>& limit_bytes() {
+  static std::atomic<int64_t> limit = [] {
+    const char* env = std::getenv("DIMATTN_REFERENCE_MAX_BYTES");
+    return env && *env ? std::atoll(env) : int64_t{4} << 30;
+  }();
+  return limit;
+}
+}  // namespace
+
+void set_reference_memory_limit(int64_t bytes) { limit_bytes() = bytes; }
+int64_t reference_memory_limit() { return limit_bytes(); }
+
 namespace detail {
 
 ReferenceAttention reference_attention(const AttentionCall& c) {
   // 16-bit inputs are computed in float32: the reference is the accurate side.
   const DType in_dtype = c.query.dtype();
   const DType dt = (in_dtype == DType::bfloat16 || in_dtype == DType::float16) ? DType::float32 : in_dtype;
+  Dims energy_dims = c.batch;
+  for (const Dims* ds : {&c.keys_only, &c.query_groups}) energy_dims.insert(energy_dims.end(), ds->begin(), ds->end());
+  energy_dims.insert(energy_dims.end(), {c.query_spatial, c.kv_spatial});
+  double bytes = dtype_size(dt);
+  for (const Dim& d : energy_dims) bytes *= static_cast<double>(d.extent());
+  check(bytes <= static_cast<double>(reference_memory_limit()), "dot_attention", "the reference path would hold an ",
+        "energy tensor ", repr(energy_dims), " of ", bytes / (1 << 20), " MiB, over the limit of ",
+        reference_memory_limit() / (1 << 20), " MiB (set_reference_memory_limit, DIMATTN_REFERENCE_MAX_BYTES); ",
+        "use a fused kernel (force 'auto'), shorter sequences or chunks");
   const Tensor q = cast(c.query, dt), k = cast(c.keys, dt), v = cast(c.values, dt);
 
   Tensor energy = matmul(mul(q, c.scale), k, {c.key_dim});

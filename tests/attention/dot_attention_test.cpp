@@ -331,3 +331,22 @@ INSTANTIATE_TEST_SUITE_P(AllBackends, DotAttention, ::testing::ValuesIn(backend_
 
 }  // namespace
 }  // namespace dimattn
+
+namespace dimattn {
+namespace {
+
+TEST(DotAttentionLimits, ReferenceEnergyOverTheLimitIsAClearError) {
+  const int64_t saved = reference_memory_limit();
+  set_reference_memory_limit(1 << 20);
+  Dim batch("batch", 4), time("time", 512), feat("feat", 8);
+  Tensor x = random_normal({batch, time, feat}, 1);
+  ForceKernels force("reference");
+  const std::string msg = testing::error_of([&] { dot_attention(x, x, x, {.key_dim = feat, .axis = time}); });
+  set_reference_memory_limit(saved);
+  EXPECT_EQ(msg.rfind("[dot_attention] the reference path would hold an energy tensor", 0), 0u) << msg;
+  EXPECT_NE(msg.find("time[512]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("fused kernel"), std::string::npos) << msg;
+}
+
+}  // namespace
+}  // namespace dimattn

@@ -44,6 +44,13 @@ struct AttentionOptions {
 
 Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& opts);
 
+// The reference path materialises energies and weights ([batch..., query
+// rows, kv] in float32 or wider). A call whose energy tensor would exceed this
+// many bytes fails with a clear error instead of exhausting memory. Default
+// 4 GiB; the environment variable DIMATTN_REFERENCE_MAX_BYTES sets it at start.
+void set_reference_memory_limit(int64_t bytes);
+int64_t reference_memory_limit();
+
 // Which kernel dot_attention would run for these operands on their backend,
 // and why each candidate before it was rejected. Runs nothing; throws like
 // dot_attention for bad input or a forced kernel that cannot run.

@@ -1,0 +1,69 @@
+// Reference path vs fast path of dot_attention, side by side in one run, and
+// the cost of a selection-cache hit. scripts/perf-table turns the JSON output
+// into the ratios recorded in docs/perf.md.
+//
+//   build/bench/attention_bench --benchmark_format=json --benchmark_out=att.json
+#include <benchmark/benchmark.h>
+
+#include "dimattn/attention.h"
+#include "dimattn/forcing.h"
+#include "dimattn/ops.h"
+#include "dimattn/registry.h"
+#include "dimattn/selection.h"
+
+namespace {
+using namespace dimattn;
+
+// args: T, causal (0/1), dtype (0 float32, 1 bfloat16), path (0 reference, 1 auto)
+void BM_SelfAttention(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  const bool causal = state.range(1) != 0;
+  const DType dtype = state.range(2) ? DType::bfloat16 : DType::float32;
+  const char* path = state.range(3) ? "auto" : "reference";
+  Dim batch("batch", 8), heads("heads", 8), time("time", T), feat("feat", 64);
+  const TensorOptions o{.dtype = dtype};
+  Tensor q = random_normal({batch, heads, time, feat}, 1, o);
+  Tensor k = random_normal({batch, heads, time, feat}, 2, o);
+  Tensor v = random_normal({batch, heads, time, feat}, 3, o);
+  AttentionOptions opts{.key_dim = feat, .axis = time};
+  if (causal) opts.causal_query_spatial_dim = time;
+  ForceKernels force(path);
+  for (auto _ : state) {
+    Tensor out = dot_attention(q, k, v, opts);
+    benchmark::DoNotOptimize(out.raw());
+  }
+  const double flops = 4.0 * 8 * 8 * T * T * 64 * (causal ? 0.5 : 1.0);
+  state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(explain_attention(q, k, v, opts).kernel);
+}
+BENCHMARK(BM_SelfAttention)
+    ->ArgNames({"T", "causal", "bf16", "fast"})
+    ->ArgsProduct({{32, 1024}, {0, 1}, {0, 1}, {0, 1}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+// A lookup whose decision is cached: what every call after the first pays.
+void BM_SelectionCacheHit(benchmark::State& state) {
+  const std::vector<KernelCandidate> candidates = {
+      {"aten_flash_cpu", [](const AttentionParams&) { return GateResult::pass(); }},
+      {"reference", [](const AttentionParams&) { return GateResult::pass(); }}};
+  AttentionParams p;
+  p.head_dim_qk = p.head_dim_v = 64;
+  p.forced = "auto";
+  select_kernel("bench", p, candidates);
+  for (auto _ : state) benchmark::DoNotOptimize(select_kernel("bench", p, candidates).kernel.size());
+}
+BENCHMARK(BM_SelectionCacheHit);
+
+// Forming the params of a call (what the fast path does before the lookup).
+void BM_SelectionFromCall(benchmark::State& state) {
+  Dim batch("batch", 8), heads("heads", 8), time("time", 32), feat("feat", 64);
+  Tensor x = random_normal({batch, heads, time, feat}, 1);
+  AttentionOptions opts{.key_dim = feat, .axis = time};
+  for (auto _ : state) benchmark::DoNotOptimize(explain_attention(x, x, x, opts).kernel.size());
+}
+BENCHMARK(BM_SelectionFromCall);
+
+}  // namespace
+
+BENCHMARK_MAIN();

@@ -1,0 +1,91 @@
+// Kernel selection: decisions with reasons, forcing, the debug log, the cache key.
+#include <cstdlib>
+
+#include "dimattn/attention.h"
+#include "dimattn/forcing.h"
+#include "dimattn/run_context.h"
+#include "dimattn/selection.h"
+#include "tests/common/test_util.h"
+
+namespace dimattn {
+namespace {
+using testing::error_of;
+
+struct Call {
+  Dim batch{"batch", 2}, heads{"heads", 2}, time{"time", 8}, feat{"feat", 16};
+  Tensor x;
+  explicit Call(const std::string& backend) : x(random_normal({batch, heads, time, feat}, 1, {.backend = backend})) {}
+  AttentionOptions opts(double dropout = 0) const { return {.key_dim = feat, .axis = time, .att_dropout = dropout}; }
+};
+
+TEST(Selection, ExplainGivesTheChoiceAndEveryRejectionWithItsReason) {
+  if (!has_backend("torch")) GTEST_SKIP() << "built without the torch backend";
+  Call c("torch");
+  EXPECT_EQ(explain_attention(c.x, c.x, c.x, c.opts()).kernel, "aten_flash_cpu");
+  TrainFlagScope train(true);
+  const Decision d = explain_attention(c.x, c.x, c.x, c.opts(0.1));
+  EXPECT_EQ(d.kernel, "reference");
+  ASSERT_EQ(d.rejected.size(), 2u);
+  EXPECT_EQ(d.rejected[0].kernel, "aten_flash_cpu");
+  EXPECT_NE(d.rejected[0].reason.find("dropout"), std::string::npos) << d.rejected[0].reason;
+  EXPECT_NE(d.explain().find("rejected aten_math"), std::string::npos) << d.explain();
+}
+
+TEST(Selection, AForcedKernelThatCannotRunIsAnErrorWithReasons) {
+  if (!has_backend("torch")) GTEST_SKIP() << "built without the torch backend";
+  Call c("torch");
+  TrainFlagScope train(true);
+  ForceKernels force("aten_flash_cpu");
+  const std::string msg = error_of([&] { dot_attention(c.x, c.x, c.x, c.opts(0.1)); });
+  EXPECT_NE(msg.find("[dot_attention] no forced kernel can run this call"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("aten_flash_cpu: dropout"), std::string::npos) << msg;
+}
+
+TEST(Selection, EnvironmentVariableForcesAndAGuardOverridesIt) {
+  for (const std::string& backend : backend_names()) {
+    Call c(backend);
+    setenv("DIMATTN_SDPA", "reference", 1);
+    EXPECT_EQ(explain_attention(c.x, c.x, c.x, c.opts()).kernel, "reference");
+    {
+      ForceKernels force("auto");
+      EXPECT_EQ(explain_attention(c.x, c.x, c.x, c.opts()).kernel, get_backend(backend).attention_kernels(kCPU)[0]);
+    }
+    setenv("DIMATTN_SDPA", "no_such_kernel", 1);
+    EXPECT_NE(error_of([&] { explain_attention(c.x, c.x, c.x, c.opts()); }).find("unknown kernel 'no_such_kernel'"),
+              std::string::npos);
+    unsetenv("DIMATTN_SDPA");
+  }
+}
+
+TEST(Selection, DebugLogsOncePerNewKey) {
+  reset_selection_cache();
+  setenv("DIMATTN_DEBUG", "1", 1);
+  ::testing::internal::CaptureStderr();
+  for (const std::string& backend : backend_names()) {
+    Call c(backend);
+    for (int i = 0; i < 3; ++i) dot_attention(c.x, c.x, c.x, c.opts());
+  }
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  unsetenv("DIMATTN_DEBUG");
+  size_t lines = 0;
+  for (size_t p = log.find("[dimattn]"); p != std::string::npos; p = log.find("[dimattn]", p + 1)) ++lines;
+  EXPECT_EQ(lines, backend_names().size()) << log;
+  EXPECT_NE(log.find("selected"), std::string::npos) << log;
+}
+
+TEST(Selection, KeyHoldsOnlyFieldsThatCanChangeTheDecision) {
+  AttentionParams a, b;
+  a.head_dim_qk = b.head_dim_qk = 64;
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(AttentionParamsHash()(a), AttentionParamsHash()(b));
+  b.causal = true;
+  EXPECT_NE(a, b);
+  // Nothing per step can reach the key: AttentionParams has no field for
+  // batch sizes, lengths, pointers or seeds. Two calls differing only in
+  // those share one decision (checked over 1000 calls in dual_test.cpp).
+  const std::string d = a.describe();
+  for (const char* absent : {"batch", "seed", "length"}) EXPECT_EQ(d.find(absent), std::string::npos) << d;
+}
+
+}  // namespace
+}  // namespace dimattn
