@@ -1,6 +1,5 @@
 // Reference path vs fast path of dot_attention, side by side in one run, and
-// the cost of a selection-cache hit. scripts/perf-table turns the JSON output
-// into the ratios recorded in docs/perf.md.
+// the cost of a selection-cache hit; docs/perf.md records the ratios.
 //
 //   build/bench/attention_bench --benchmark_format=json --benchmark_out=att.json
 #include <benchmark/benchmark.h>

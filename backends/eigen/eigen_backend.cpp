@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "backends/eigen/eigen_raw.h"
+#include "backends/src/cpu_flash_path.h"
 #include "backends/src/builtin_backends.h"
 #include "dimattn/backend.h"
 #include "dimattn/error.h"
@@ -1137,6 +1138,11 @@ RawPtr random_impl(const Shape& shape, RandomKind kind, double a, double b, uint
 // ---------------------------------------------------------------------------
 
 class EigenBackend final : public Backend {
+  Decision decide(const AttentionCall& c, const detail::FlashInputs& in) {
+    return select_kernel(name(), attention_params(c, detail::flash_layout_class(*this, in), false),
+                         detail::cpu_flash_candidates());
+  }
+
  public:
   std::string name() const override { return "eigen"; }
   bool supports(Device device) const override { return device.type == DeviceType::cpu; }
@@ -1199,6 +1205,28 @@ class EigenBackend final : public Backend {
 
   RawPtr permute(const RawPtr& x, const std::vector<int>& perm) override { return permute_impl(as_eigen(x), perm); }
   RawPtr reshape(const RawPtr& x, const Shape& shape) override { return reshape_impl(as_eigen(x), shape); }
+  RawPtr contiguous(const RawPtr& x) override {
+    const EigenRaw& e = as_eigen(x);
+    return e.is_contiguous() ? x : dense_copy(e, e.dtype);
+  }
+  // The fast path: dimattn's own CPU kernel on the default pool.
+  std::vector<std::string> attention_kernels(Device) const override { return {"cpu_flash", "reference"}; }
+  Decision explain_attention(const AttentionCall& c) override {
+    const auto layout = detail::flash_layout(c);
+    return decide(c, detail::flash_inputs(*this, c, layout));
+  }
+  AttentionResult scaled_dot_product_attention(const AttentionCall& c) override {
+    const auto layout = detail::flash_layout(c);
+    const auto in = detail::flash_inputs(*this, c, layout);
+    if (decide(c, in).kernel == "reference") return reference_path(c);
+    const auto fwd = detail::flash_forward(*this, c, layout, in, detail::default_parallel_for());
+    return {detail::flash_output(*this, c, layout, fwd.out), "cpu_flash"};
+  }
+
+  std::optional<HostView> host_view(const RawPtr& x) override {
+    const EigenRaw& e = as_eigen(x);
+    return HostView{e.bytes(), e.shape, e.strides, e.dtype};
+  }
   RawPtr expand(const RawPtr& x, const Shape& shape) override { return expand_impl(as_eigen(x), shape); }
   RawPtr concat(const std::vector<RawPtr>& xs, int axis) override { return concat_impl(xs, axis); }
   RawPtr slice(const RawPtr& x, int axis, int64_t start, int64_t end) override {

@@ -18,6 +18,8 @@ const char* op_name(ReduceOp op) {
   return names[static_cast<int>(op)];
 }
 
+std::optional<HostView> Backend::host_view(const RawPtr&) { return std::nullopt; }
+
 // Backends without autograd: requests for gradients are errors, queries are "no".
 void Backend::set_requires_grad(const RawPtr&, bool on) {
   check(!on, "requires_grad", "backend '", name(), "' has no autograd; use the torch backend for gradients");

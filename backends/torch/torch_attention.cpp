@@ -15,10 +15,13 @@
 #include <ATen/ops/_scaled_dot_product_efficient_attention_ops.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_ops.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_ops.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <limits>
 
+#include "backends/src/cpu_flash_path.h"
 #include "backends/torch/torch_backend.h"
 #include "backends/torch/torch_raw.h"
 #include "dimattn/layout.h"
@@ -85,8 +88,10 @@ GateResult gate_efficient(const AttentionParams& p) {
 GateResult gate_reference(const AttentionParams&) { return GateResult::pass(); }
 
 const std::vector<KernelCandidate>& candidates(DeviceType device) {
-  static const std::vector<KernelCandidate> cpu = {
-      {"aten_flash_cpu", gate_flash_cpu}, {"aten_math", gate_math}, {"reference", gate_reference}};
+  static const std::vector<KernelCandidate> cpu = {{"cpu_flash", detail::cpu_flash_gate},
+                                                   {"aten_flash_cpu", gate_flash_cpu},
+                                                   {"aten_math", gate_math},
+                                                   {"reference", gate_reference}};
   static const std::vector<KernelCandidate> cuda = {{"aten_cudnn", gate_cudnn},
                                                     {"aten_flash", gate_flash_cuda},
                                                     {"aten_efficient", gate_efficient},
@@ -245,6 +250,45 @@ at::Tensor run_kernel(const std::string& kernel, const AttentionCall& c, const K
   detail::fail(kOp, "internal error: no adapter for kernel ", kernel);
 }
 
+// --- dimattn's own CPU kernel, with autograd ---
+
+kernels::ParallelFor aten_parallel_for() {
+  return [](int64_t begin, int64_t end, const kernels::ParallelBody& body) {
+    at::parallel_for(begin, end, 1, [&](int64_t b, int64_t e) { body(b, e); });
+  };
+}
+
+// What backward needs besides tensors, kept in the autograd context.
+struct CpuFlashInfo : torch::CustomClassHolder {
+  CpuFlashInfo(TorchBackend* b, AttentionCall c, detail::FlashLayout l) : be(b), call(std::move(c)), layout(l) {}
+  TorchBackend* be;
+  AttentionCall call;
+  detail::FlashLayout layout;
+};
+
+class CpuFlashFunction : public torch::autograd::Function<CpuFlashFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, c10::intrusive_ptr<CpuFlashInfo> info) {
+    const detail::FlashForward f =
+        detail::flash_forward(*info->be, info->call, info->layout, {wrap(q), wrap(k), wrap(v)}, aten_parallel_for());
+    const at::Tensor out = as_aten(f.out);
+    ctx->save_for_backward({q, k, v, out, as_aten(f.lse)});
+    ctx->saved_data["info"] = at::IValue::make_capsule(std::move(info));
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto info = c10::static_intrusive_pointer_cast<CpuFlashInfo>(ctx->saved_data["info"].toCapsule());
+    const detail::FlashInputs g = detail::flash_backward(
+        *info->be, info->call, info->layout, {wrap(saved[0]), wrap(saved[1]), wrap(saved[2])},
+        {wrap(saved[3]), wrap(saved[4])}, wrap(grads[0]), aten_parallel_for());
+    return {as_aten(g.q), as_aten(g.k), as_aten(g.v), at::Tensor()};
+  }
+};
+
 Decision decide(const AttentionCall& c, const KernelForm& f) {
   return select_kernel("torch", attention_params(c, f.layout, f.requires_grad), candidates(c.query.device().type));
 }
@@ -263,6 +307,13 @@ AttentionResult TorchBackend::scaled_dot_product_attention(const AttentionCall& 
   const KernelForm f = form_of(c);
   const Decision d = decide(c, f);
   if (d.kernel == "reference") return reference_path(c);
+  if (d.kernel == "cpu_flash") {
+    const detail::FlashLayout layout = detail::flash_layout(c);
+    const detail::FlashInputs in = detail::flash_inputs(*this, c, layout);
+    at::Tensor out = CpuFlashFunction::apply(as_aten(in.q), as_aten(in.k), as_aten(in.v),
+                                             c10::make_intrusive<CpuFlashInfo>(this, c, layout));
+    return {detail::flash_output(*this, c, layout, wrap(out)), "cpu_flash"};
+  }
   const Masks m = masks_of(c);
   at::Tensor out4;
   try {

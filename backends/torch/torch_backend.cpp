@@ -364,6 +364,19 @@ RawPtr TorchBackend::permute(const RawPtr& rx, const std::vector<int>& perm) {
   });
 }
 
+RawPtr TorchBackend::contiguous(const RawPtr& rx) {
+  const at::Tensor& x = as_aten(rx, "torch.contiguous");
+  return x.is_contiguous() ? rx : wrap(x.contiguous());
+}
+
+std::optional<HostView> TorchBackend::host_view(const RawPtr& rx) {
+  const at::Tensor& x = as_aten(rx, "torch.host_view");
+  if (!x.device().is_cpu() || !has_dimattn_dtype(x.scalar_type())) return std::nullopt;
+  // Kernels write outputs through this view; autograd sees them as the
+  // results of the op that made them.
+  return HostView{x.data_ptr(), x.sizes().vec(), x.strides().vec(), dimattn_dtype(x.scalar_type())};
+}
+
 RawPtr TorchBackend::reshape(const RawPtr& rx, const Shape& shape) {
   const char* op = "torch.reshape";
   return guarded(op, {rx}, [&] {

@@ -37,6 +37,8 @@ class TorchBackend : public Backend {
   RawPtr concat(const std::vector<RawPtr>& xs, int axis) override;
   RawPtr slice(const RawPtr& x, int axis, int64_t start, int64_t end) override;
   RawPtr gather(const RawPtr& x, int axis, const RawPtr& idx) override;
+  RawPtr contiguous(const RawPtr& x) override;
+  std::optional<HostView> host_view(const RawPtr& x) override;
 
   RawPtr binary(BinaryOp op, const RawPtr& a, const RawPtr& b) override;
   RawPtr unary(UnaryOp op, const RawPtr& x) override;

@@ -105,10 +105,18 @@ Prepared prepare(const Tensor& query, const Tensor& keys, const Tensor& values, 
   }
 
   // Rules 3 and 4: the query's own dims are its spatial dim (the causal dim,
-  // else the innermost) and groups; none means one decoding step, given a
+  // else the longest) and groups; none means one decoding step, given a
   // size-1 dim. Keys and values are never tiled over any of them.
   const bool dummy = query_only.empty();
-  Dim query_spatial = dummy ? Dim("query_step", 1) : causal ? *o.causal_query_spatial_dim : query_only.back();
+  // Without causal the choice does not change the result; the longest dim
+  // (innermost on ties) gives kernels long rows and short groups.
+  auto longest = [&] {
+    Dim best = query_only.back();
+    for (const Dim& d : query_only)
+      if (d.extent() > best.extent()) best = d;
+    return best;
+  };
+  Dim query_spatial = dummy ? Dim("query_step", 1) : causal ? *o.causal_query_spatial_dim : longest();
   if (dummy) q = expand_dim(q, query_spatial);
   const Dims query_groups = without(query_only, {query_spatial});
 

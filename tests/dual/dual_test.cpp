@@ -31,6 +31,8 @@ struct DualCase {
   bool single_step = false;      // query without a spatial dim
   std::vector<double> lengths;   // kv lengths per batch entry; empty = static
   bool beam_and_time = false;    // G is a beam dim and the query keeps its time dim
+  double dropout = 0;            // with the train flag on, a fixed seed per run
+  bool broadcast_dropout = false;
 };
 
 double tolerance(DType d) {
@@ -57,6 +59,11 @@ std::vector<DualCase> cases() {
     out.push_back({.name = "mqa" + s, .dtype = dt, .H = 1, .G = 8, .Tq = 5, .Tk = 9});
     out.push_back({.name = "beam_cross" + s, .dtype = dt, .G = 3, .Tq = 4, .lengths = {7, 5}, .beam_and_time = true});
     out.push_back({.name = "single_step" + s, .dtype = dt, .Tq = 1, .single_step = true, .lengths = {7, 2}});
+    out.push_back({.name = "dropout" + s, .dtype = dt, .Tq = 9, .Tk = 9, .causal = true, .self = true,
+                   .lengths = {9, 5}, .dropout = 0.3});
+    out.push_back({.name = "dropout_gqa" + s, .dtype = dt, .G = 2, .Tq = 6, .Tk = 6, .dropout = 0.2});
+    out.push_back({.name = "broadcast_dropout" + s, .dtype = dt, .lengths = {7, 4}, .dropout = 0.5,
+                   .broadcast_dropout = true});
   }
   out.push_back({.name = "t1", .Tq = 1, .Tk = 1});
   out.push_back({.name = "odd_head_dims", .D = 5, .Dv = 3});
@@ -87,6 +94,8 @@ Operands make_operands(const DualCase& c, const std::string& backend) {
   Operands ops{random_normal(qd, 1, o), random_normal({batch, heads, kv, feat}, 2, o),
                random_normal({batch, heads, kv, vfeat}, 3, o), {.key_dim = feat, .axis = kv}, {}};
   if (c.causal) ops.opts.causal_query_spatial_dim = time;
+  ops.opts.att_dropout = c.dropout;
+  ops.opts.att_dropout_broadcast = c.broadcast_dropout;
   for (const Dim& d : qd)
     if (d != feat) ops.out_order.push_back(d);
   ops.out_order.push_back(vfeat);
@@ -110,6 +119,10 @@ RunResult run(Operands ops, const std::string& force) {
   const bool grad = be.has_autograd();
   if (grad)
     for (Tensor* t : {&ops.q, &ops.k, &ops.v}) *t = fresh_leaf(*t).requires_grad(true);
+  // Every run draws the same dropout seed, so kernels and the reference must
+  // apply the identical mask (the shared Philox stream).
+  TrainFlagScope train(ops.opts.att_dropout > 0);
+  set_random_seed(1234);
   Tensor out = dot_attention(ops.q, ops.k, ops.v, ops.opts);
   RunResult r{force, out, {}};
   if (grad) {
@@ -134,8 +147,16 @@ TEST_P(Dual, EveryKernelAgreesWithTheReference) {
       std::optional<RunResult> got;
       const std::string err = error_of([&] { got = run(ops, kernel); });
       if (!err.empty()) {
-        std::cout << "[ dual ] " << c.name << " " << backend << "/" << kernel << ": rejected: " << err << "\n";
         EXPECT_NE(err.find("[dot_attention]"), std::string::npos) << err;
+        // The kernel's own reason, from the decision with it first in line.
+        std::string reason = err;
+        {
+          ForceKernels force(kernel + ",reference");
+          TrainFlagScope train(ops.opts.att_dropout > 0);
+          for (const Rejection& r : explain_attention(ops.q, ops.k, ops.v, ops.opts).rejected)
+            if (r.kernel == kernel) reason = r.reason;
+        }
+        std::cout << "[ dual ] " << c.name << " " << backend << "/" << kernel << ": rejected: " << reason << "\n";
         continue;
       }
       const double e = testing::max_abs_diff(got->out, ref.out, ops.out_order);
@@ -167,7 +188,9 @@ TEST(DualLayouts, FusedGqaBufferSplitIntoQkv) {
     for (bool causal : {false, true}) {
       AttentionOptions o{.key_dim = feat, .axis = time};
       if (causal) o.causal_query_spatial_dim = time;
+      const uint64_t copies_before = selection_stats().layout_copies;
       Tensor fast = dot_attention(q, k, v, o);
+      EXPECT_EQ(selection_stats().layout_copies, copies_before) << "q, k and v reach the kernel as views";
       const Decision d = explain_attention(q, k, v, o);
       Tensor ref = [&] {
         ForceKernels force("reference");

@@ -21,13 +21,17 @@ struct Call {
 TEST(Selection, ExplainGivesTheChoiceAndEveryRejectionWithItsReason) {
   if (!has_backend("torch")) GTEST_SKIP() << "built without the torch backend";
   Call c("torch");
-  EXPECT_EQ(explain_attention(c.x, c.x, c.x, c.opts()).kernel, "aten_flash_cpu");
+  EXPECT_EQ(explain_attention(c.x, c.x, c.x, c.opts()).kernel, "cpu_flash");
   TrainFlagScope train(true);
+  EXPECT_EQ(explain_attention(c.x, c.x, c.x, c.opts(0.1)).kernel, "cpu_flash") << "dropout through the shared RNG";
+  ForceKernels force("aten_flash_cpu,aten_math,reference");
   const Decision d = explain_attention(c.x, c.x, c.x, c.opts(0.1));
   EXPECT_EQ(d.kernel, "reference");
-  ASSERT_EQ(d.rejected.size(), 2u);
-  EXPECT_EQ(d.rejected[0].kernel, "aten_flash_cpu");
-  EXPECT_NE(d.rejected[0].reason.find("dropout"), std::string::npos) << d.rejected[0].reason;
+  ASSERT_EQ(d.rejected.size(), 3u);
+  EXPECT_EQ(d.rejected[0].kernel, "cpu_flash");
+  EXPECT_NE(d.rejected[0].reason.find("not among the forced kernels"), std::string::npos) << d.rejected[0].reason;
+  EXPECT_EQ(d.rejected[1].kernel, "aten_flash_cpu");
+  EXPECT_NE(d.rejected[1].reason.find("dropout"), std::string::npos) << d.rejected[1].reason;
   EXPECT_NE(d.explain().find("rejected aten_math"), std::string::npos) << d.explain();
 }
 

@@ -10,6 +10,7 @@
 // - results are new tensors or views; callers never write into operands.
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,14 @@ enum class RandomKind { normal, uniform };
 const char* op_name(BinaryOp);
 const char* op_name(UnaryOp);
 const char* op_name(ReduceOp);
+
+// A CPU tensor's memory as raw-pointer kernels read it.
+struct HostView {
+  void* data = nullptr;  // first element
+  Shape sizes;
+  std::vector<int64_t> strides;  // in elements
+  DType dtype = DType::float32;
+};
 
 class Backend {
  public:
@@ -64,6 +73,11 @@ class Backend {
   // take_along_axis: idx (int64) has x's rank and x's sizes except on `axis`;
   // out[..., i, ...] = x[..., idx[..., i, ...], ...].
   virtual RawPtr gather(const RawPtr& x, int axis, const RawPtr& idx) = 0;
+  // x itself when dense row-major, else a dense row-major copy.
+  virtual RawPtr contiguous(const RawPtr& x) = 0;
+  // x's memory when it lives on the host and the backend exposes it; kernels
+  // in kernels/cpu read and write through it. Default: not exposed.
+  virtual std::optional<HostView> host_view(const RawPtr& x);
 
   // --- math ---
   virtual RawPtr binary(BinaryOp op, const RawPtr& a, const RawPtr& b) = 0;

@@ -1,0 +1,259 @@
+#pragma once
+// AttentionKernelParams: one fused attention call (forward, or forward plus
+// backward) as raw pointers, sizes and element strides. Shared by the CPU
+// kernel (kernels/cpu) and the CUDA kernel (kernels/cuda), so it holds no
+// frontend or framework types: a backend's adapter fills it from its own
+// tensors (the FlashAttention `Flash_fwd_params` pattern).
+//
+// Logical shapes (row-major index order; strides say where elements live):
+//   q, out, dout, dq : [batch, heads,    seqlen_q, head_dim | head_dim_v]
+//   k, dk            : [batch, kv_heads, seqlen_k, head_dim]
+//   v, dv            : [batch, kv_heads, seqlen_k, head_dim_v]
+//   lse              : [batch, heads,    seqlen_q]
+// Query head h reads kv head h / (heads / kv_heads): kv_heads == heads is
+// multi-head attention, 1 < kv_heads < heads grouped-query (GQA), 1 multi-query
+// (MQA). Grouped heads read the same k/v memory: nothing is tiled.
+//
+// Masking: query row i of batch entry b attends kv position j iff
+//   j < kv_len[b]  and  (!causal or j <= i + causal_offset[b]),
+// and rows i >= q_len[b] are padding. A row that attends nothing gets out = 0
+// and lse = -inf (never NaN), matching the reference path's contract.
+//
+// Dropout: the keep decision of element (b, h, i, j) is
+//   dropout_uniform(seed, rng_offset, b * heads + h, i, j) >= dropout_p
+// or dropout_uniform_broadcast(seed, rng_offset, j) >= dropout_p when
+// dropout_broadcast (kernels/common/philox.h). b * heads + h is philox.h's flat
+// `bh` index when the caller flattens its batch dims (then keys-only dims, then
+// query groups) row-major into `batch` and `heads` in that order. Kept weights
+// are scaled by 1 / (1 - dropout_p); the softmax normaliser and lse are those
+// of the weights before dropout.
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+namespace dimattn::kernels {
+
+// Element type of q, k, v, out, dout, dq, dk, dv (all the same).
+// bfloat16 is stored as its uint16_t bit pattern.
+enum class ElementType : uint8_t { float32, float64, bfloat16 };
+
+inline const char* element_type_name(ElementType t) {
+  switch (t) {
+    case ElementType::float32: return "float32";
+    case ElementType::float64: return "float64";
+    case ElementType::bfloat16: return "bfloat16";
+  }
+  return "invalid";
+}
+
+// lse and every internal sum are kept in the accumulation type: float32 for
+// float32 and bfloat16, float64 for float64 (whose 1e-10 tolerance a float32
+// lse could not meet in the backward pass).
+inline bool accumulates_in_double(ElementType t) { return t == ElementType::float64; }
+
+// Element strides of one 4-d tensor. `last` exists only so that validate()
+// can reject a caller whose innermost dim is not contiguous: kernels load
+// whole rows as vectors.
+struct ElementStrides {
+  int64_t batch = 0, head = 0, row = 0;
+  int64_t last = 1;  // pre: 1
+};
+
+struct AttentionKernelParams {
+  ElementType dtype = ElementType::float32;
+
+  // Forward inputs and outputs.
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  // log-sum-exp of the scaled scores per query row (natural log), in the
+  // accumulation type. Optional in the forward pass (nullptr = not written),
+  // required by the backward pass, which recomputes the weights from it.
+  void* lse = nullptr;
+
+  // Backward inputs (q, k, v, out, lse, dout) and outputs (dq, dk, dv). dk and
+  // dv are per kv head: the gradients of the query heads sharing a kv head
+  // are summed into it.
+  const void* dout = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+
+  int64_t batch = 0;      // B: every batch dim flattened
+  int64_t heads = 1;      // H: query heads
+  int64_t kv_heads = 1;   // Hkv. pre: heads % kv_heads == 0
+  int64_t seqlen_q = 0;   // Tq: extent (maximum length) of the query rows
+  int64_t seqlen_k = 0;   // Tk: extent of the kv positions
+  int64_t head_dim = 0;   // D of q and k
+  int64_t head_dim_v = 0; // Dv of v, out
+
+  ElementStrides q_strides, k_strides, v_strides, out_strides;
+  ElementStrides dout_strides, dq_strides, dk_strides, dv_strides;
+  int64_t lse_batch_stride = 0, lse_head_stride = 0;  // rows contiguous
+
+  // Per batch entry, nullptr = full length. Read on the device that runs the
+  // kernel (host memory for the CPU kernel).
+  // pre: 0 <= q_lengths[b] <= seqlen_q, 0 <= kv_lengths[b] <= seqlen_k
+  const int64_t* q_lengths = nullptr;
+  const int64_t* kv_lengths = nullptr;
+
+  bool causal = false;
+  // Per batch entry, nullptr = 0 (the history length when a chunk of queries
+  // is appended to a kv state). Any value: negative offsets leave the first
+  // rows without a valid position.
+  const int64_t* causal_offset = nullptr;
+
+  double scale = 1.0;  // scores = scale * q . k
+
+  double dropout_p = 0.0;  // pre: 0 <= dropout_p <= 1; 0 = no dropout
+  bool dropout_broadcast = false;
+  uint64_t seed = 0;
+  uint32_t rng_offset = 0;  // philox.h keys the counter with 32 bits
+
+  bool has_dropout() const { return dropout_p > 0.0; }
+  int64_t group_size() const { return heads / kv_heads; }  // query heads per kv head
+
+  // Everything a caller can get wrong in the fields above, without reading
+  // the per-batch arrays (which may live on a device). Empty when ok.
+  std::string validate(bool backward) const;
+  // The per-batch arrays' values. pre: they are readable from the host.
+  std::string validate_host_arrays() const;
+};
+
+// ---------------------------------------------------------------------------
+
+namespace detail {
+
+inline std::string dim_list(int64_t a, int64_t b, int64_t c, int64_t d) {
+  return "[" + std::to_string(a) + ", " + std::to_string(b) + ", " + std::to_string(c) + ", " +
+         std::to_string(d) + "]";
+}
+
+// Whether distinct indices of a [sizes] view with these strides address
+// distinct elements: sort the dims that have more than one index by stride;
+// each stride must step over everything the smaller dims span. Sufficient, not
+// necessary (an interleaving layout that never collides is rejected), which
+// is the safe side for outputs written by concurrent tasks.
+inline bool non_overlapping(const int64_t (&sizes)[4], const int64_t (&strides)[4]) {
+  int64_t s[4], n[4];
+  int m = 0;
+  for (int a = 0; a < 4; ++a) {
+    if (sizes[a] == 0) return true;
+    if (sizes[a] > 1) {
+      s[m] = strides[a];
+      n[m] = sizes[a];
+      ++m;
+    }
+  }
+  for (int i = 1; i < m; ++i)  // insertion sort by stride
+    for (int j = i; j > 0 && s[j] < s[j - 1]; --j) {
+      std::swap(s[j], s[j - 1]);
+      std::swap(n[j], n[j - 1]);
+    }
+  int64_t span = 1;  // elements spanned by the dims sorted so far
+  for (int i = 0; i < m; ++i) {
+    if (s[i] < span) return false;
+    span = s[i] * (n[i] - 1) + span;
+  }
+  return true;
+}
+
+}  // namespace detail
+
+inline std::string AttentionKernelParams::validate(bool backward) const {
+  const std::string op = backward ? "[attention backward] " : "[attention] ";
+  if (dtype != ElementType::float32 && dtype != ElementType::float64 && dtype != ElementType::bfloat16)
+    return op + "unsupported element type " + std::to_string(static_cast<int>(dtype));
+  if (batch < 0 || seqlen_q < 0 || seqlen_k < 0 || head_dim < 0 || head_dim_v < 0)
+    return op + "sizes must be >= 0, got batch=" + std::to_string(batch) + " seqlen_q=" + std::to_string(seqlen_q) +
+           " seqlen_k=" + std::to_string(seqlen_k) + " head_dim=" + std::to_string(head_dim) +
+           " head_dim_v=" + std::to_string(head_dim_v);
+  if (heads < 1 || kv_heads < 1)
+    return op + "heads and kv_heads must be >= 1, got heads=" + std::to_string(heads) +
+           " kv_heads=" + std::to_string(kv_heads);
+  if (heads % kv_heads != 0)
+    return op + "heads=" + std::to_string(heads) + " is not a multiple of kv_heads=" + std::to_string(kv_heads) +
+           " (grouped-query attention shares each kv head among heads / kv_heads query heads)";
+  if (!(dropout_p >= 0.0 && dropout_p <= 1.0)) return op + "dropout_p must be in [0, 1], got " + std::to_string(dropout_p);
+  if (!std::isfinite(scale)) return op + "scale must be finite, got " + std::to_string(scale);
+
+  struct T {
+    const char* name;
+    const void* ptr;
+    const ElementStrides* st;
+    int64_t n0, n1, n2, n3;
+    bool output;
+  };
+  const T all[] = {
+      {"q", q, &q_strides, batch, heads, seqlen_q, head_dim, false},
+      {"k", k, &k_strides, batch, kv_heads, seqlen_k, head_dim, false},
+      {"v", v, &v_strides, batch, kv_heads, seqlen_k, head_dim_v, false},
+      {"out", out, &out_strides, batch, heads, seqlen_q, head_dim_v, !backward},
+      {"dout", dout, &dout_strides, batch, heads, seqlen_q, head_dim_v, false},
+      {"dq", dq, &dq_strides, batch, heads, seqlen_q, head_dim, true},
+      {"dk", dk, &dk_strides, batch, kv_heads, seqlen_k, head_dim, true},
+      {"dv", dv, &dv_strides, batch, kv_heads, seqlen_k, head_dim_v, true},
+  };
+  const int used = backward ? 8 : 4;
+  for (int i = 0; i < used; ++i) {
+    const T& t = all[i];
+    const int64_t numel = t.n0 * t.n1 * t.n2 * t.n3;
+    if (numel == 0) continue;  // an empty tensor may have no storage
+    if (t.ptr == nullptr)
+      return op + t.name + " is null but has shape " + detail::dim_list(t.n0, t.n1, t.n2, t.n3);
+    if (t.st->last != 1)
+      return op + t.name + " needs a contiguous last dim (stride 1), got stride " + std::to_string(t.st->last) +
+             "; copy it to a contiguous layout first";
+    if (t.st->batch < 0 || t.st->head < 0 || t.st->row < 0)
+      return op + t.name + " has a negative stride (batch " + std::to_string(t.st->batch) + ", head " +
+             std::to_string(t.st->head) + ", row " + std::to_string(t.st->row) + ")";
+    if (t.output) {
+      const int64_t sizes[4] = {t.n0, t.n1, t.n2, t.n3};
+      const int64_t strides[4] = {t.st->batch, t.st->head, t.st->row, 1};
+      if (!detail::non_overlapping(sizes, strides))
+        return op + "output " + t.name + " of shape " + detail::dim_list(t.n0, t.n1, t.n2, t.n3) +
+               " has overlapping strides " + detail::dim_list(t.st->batch, t.st->head, t.st->row, 1);
+    }
+  }
+  const int64_t rows = batch * heads * seqlen_q;
+  if (rows > 0) {
+    if (backward && lse == nullptr) return op + "lse (from the forward pass) is required";
+    if (lse != nullptr) {
+      if (lse_batch_stride < 0 || lse_head_stride < 0)
+        return op + "lse has a negative stride (batch " + std::to_string(lse_batch_stride) + ", head " +
+               std::to_string(lse_head_stride) + ")";
+      if (!backward) {
+        const int64_t sizes[4] = {batch, heads, seqlen_q, 1};
+        const int64_t strides[4] = {lse_batch_stride, lse_head_stride, 1, 1};
+        if (!detail::non_overlapping(sizes, strides))
+          return op + "output lse of shape [" + std::to_string(batch) + ", " + std::to_string(heads) + ", " +
+                 std::to_string(seqlen_q) + "] has overlapping strides [" + std::to_string(lse_batch_stride) + ", " +
+                 std::to_string(lse_head_stride) + ", 1]";
+      }
+    }
+  }
+  if (has_dropout()) {
+    // philox.h's counter words are 32 bits wide.
+    constexpr int64_t kMax = int64_t{1} << 32;
+    if (batch * heads > kMax || seqlen_q > kMax || seqlen_k > kMax)
+      return op + "dropout keys batch * heads, seqlen_q and seqlen_k with 32 bits each, got " +
+             std::to_string(batch * heads) + ", " + std::to_string(seqlen_q) + ", " + std::to_string(seqlen_k);
+  }
+  return {};
+}
+
+inline std::string AttentionKernelParams::validate_host_arrays() const {
+  for (int64_t b = 0; b < batch; ++b) {
+    if (q_lengths && (q_lengths[b] < 0 || q_lengths[b] > seqlen_q))
+      return "[attention] q_lengths[" + std::to_string(b) + "] = " + std::to_string(q_lengths[b]) +
+             " is outside [0, seqlen_q=" + std::to_string(seqlen_q) + "]";
+    if (kv_lengths && (kv_lengths[b] < 0 || kv_lengths[b] > seqlen_k))
+      return "[attention] kv_lengths[" + std::to_string(b) + "] = " + std::to_string(kv_lengths[b]) +
+             " is outside [0, seqlen_k=" + std::to_string(seqlen_k) + "]";
+  }
+  return {};
+}
+
+}  // namespace dimattn::kernels

@@ -1,0 +1,93 @@
+#include "kernels/cpu/flash_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <stdexcept>
+
+#include "kernels/common/philox.h"
+#include "kernels/cpu/flash_attention_heuristics.h"
+
+// The kernel passes 32-byte GCC vectors between inlined helpers; in this
+// baseline (SSE2) translation unit GCC warns that such a function's ABI would
+// differ from an AVX build. None of them is visible outside this file.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+#define DIMATTN_INLINE inline __attribute__((always_inline))
+
+namespace dimattn::kernels {
+
+// Portable path: plain vector arithmetic, lowered by the compiler to whatever
+// the baseline ISA has (two SSE operations per vector on x86-64, NEON on arm).
+namespace cpu_flash_generic {
+typedef float vf __attribute__((vector_size(32)));
+typedef double vd __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+DIMATTN_INLINE vf vfma(vf a, vf b, vf c) { return a * b + c; }
+DIMATTN_INLINE vd vfma(vd a, vd b, vd c) { return a * b + c; }
+#include "kernels/cpu/flash_attention_impl.h"
+}  // namespace cpu_flash_generic
+
+// Defined in flash_attention_avx2.cpp (x86-64 only).
+namespace cpu_flash_avx2_entry {
+bool available();
+void forward(const AttentionKernelParams& p, const ParallelFor& pf);
+void backward(const AttentionKernelParams& p, const ParallelFor& pf);
+}  // namespace cpu_flash_avx2_entry
+
+CpuIsa cpu_flash_best_isa() {
+  static const CpuIsa best = cpu_flash_avx2_entry::available() ? CpuIsa::avx2 : CpuIsa::generic;
+  return best;
+}
+
+const char* cpu_isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::best: return "best";
+    case CpuIsa::generic: return "generic";
+    case CpuIsa::avx2: return "avx2";
+  }
+  return "invalid";
+}
+
+namespace {
+
+CpuIsa resolve(CpuIsa isa, const char* op) {
+  if (isa == CpuIsa::best) return cpu_flash_best_isa();
+  if (isa == CpuIsa::avx2 && !cpu_flash_avx2_entry::available())
+    throw std::invalid_argument(std::string(op) +
+                                " the avx2 code path needs a CPU with AVX2 and FMA (and a build for x86-64); "
+                                "use CpuIsa::best or CpuIsa::generic");
+  return isa;
+}
+
+void check(const AttentionKernelParams& p, bool backward) {
+  std::string err = p.validate(backward);
+  if (err.empty()) err = p.validate_host_arrays();
+  if (!err.empty()) throw std::invalid_argument("[cpu_flash] " + err);
+}
+
+}  // namespace
+
+void flash_attention_forward_cpu(const AttentionKernelParams& p, const ParallelFor& parallel_for, CpuIsa isa) {
+  check(p, false);
+  if (resolve(isa, "[cpu_flash]") == CpuIsa::avx2)
+    cpu_flash_avx2_entry::forward(p, parallel_for);
+  else
+    cpu_flash_generic::run_forward(p, parallel_for);
+}
+
+void flash_attention_backward_cpu(const AttentionKernelParams& p, const ParallelFor& parallel_for, CpuIsa isa) {
+  check(p, true);
+  if (resolve(isa, "[cpu_flash]") == CpuIsa::avx2)
+    cpu_flash_avx2_entry::backward(p, parallel_for);
+  else
+    cpu_flash_generic::run_backward(p, parallel_for);
+}
+
+}  // namespace dimattn::kernels

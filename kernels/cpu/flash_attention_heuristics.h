@@ -1,0 +1,38 @@
+#pragma once
+// Tile sizes and work splits of the CPU flash attention kernel. Every choice
+// here depends only on the problem's shape (never on the thread count), which
+// keeps results bitwise equal whatever pool runs the kernel.
+#include <cstdint>
+
+namespace dimattn::kernels::cpu_flash {
+
+// Query rows per forward task. Each task packs the kv tiles it visits (k
+// transposed), so more rows amortise the packing; fewer rows give more tasks
+// and keep the q block, the O accumulator and a kv tile in L2.
+constexpr int64_t fwd_block_q(int64_t head_dim) { return head_dim <= 64 ? 128 : 64; }
+
+// kv positions per tile: the width of the score tile S = Q K^T that the
+// online softmax processes at once. 16 | tile keeps whole 2x8-lane column
+// blocks in the micro-kernel; 4 | tile keeps Philox's 4-lane groups aligned.
+constexpr int64_t fwd_block_k(int64_t head_dim) { return head_dim <= 64 ? 128 : 64; }
+
+// Backward: query rows and kv positions per (q block, kv tile) step. The
+// step holds five tiles (S/P, dP, P with dropout, and the dK, dV accumulators).
+constexpr int64_t bwd_block_q(int64_t /*head_dim*/) { return 64; }
+constexpr int64_t bwd_block_k(int64_t /*head_dim*/) { return 64; }
+
+// The backward pass runs one task per (batch, kv head, kv chunk): a task owns
+// its chunk's dK, dV (so GQA heads sum race-free) and writes its dQ share into
+// a buffer that a second pass sums in chunk order. One chunk (no buffer, no
+// second pass) unless batch * kv_heads is below this many tasks.
+constexpr int64_t bwd_min_tasks() { return 16; }
+// A chunk spans at least this many kv tiles, so a task's repacking of its
+// q and dO rows stays small next to its work...
+constexpr int64_t bwd_min_tiles_per_chunk() { return 4; }
+// ...and the dQ shares take at most this much memory.
+constexpr int64_t bwd_max_partial_bytes() { return int64_t{128} << 20; }
+
+static_assert(fwd_block_k(64) % 16 == 0 && fwd_block_k(128) % 16 == 0, "kv tiles hold whole column blocks");
+static_assert(bwd_block_k(64) % 16 == 0 && bwd_block_k(128) % 16 == 0, "kv tiles hold whole column blocks");
+
+}  // namespace dimattn::kernels::cpu_flash
