@@ -8,6 +8,7 @@
 #include "dimattn/run_context.h"
 #include "dimattn/trace.h"
 #include "frontend/src/attention_reference.h"
+#include "frontend/src/attention_roles.h"
 #include "frontend/src/op_util.h"
 
 namespace dimattn {
@@ -23,40 +24,51 @@ Dim fresh_like(const Dim& d) {
   return Dim(d.name() + "'", d.extent());
 }
 
+// When `x` lacks `d` but has another dim of the same name: Dims made
+// separately never compare equal, which the bare "not in" message hides
+// (both sides print as feat[4]). Empty otherwise.
+std::string same_name_hint(const Tensor& x, const Dim& d, const char* which) {
+  for (const Dim& e : x.dims())
+    if (e != d && e.name() == d.name())
+      return std::string("; ") + which + " " + e.repr() + " is another Dim with the same name: Dims made " +
+             "separately never compare equal, so make both tensors with one Dim object";
+  return "";
+}
+
 void validate(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& o) {
   common_backend(kOp, {&query, &keys, &values});
   check_same_dtype(kOp, {&query, &keys, &values});
   check(is_floating(query.dtype()), kOp, "needs floating query, keys and values; got ", query.repr());
   check(o.key_dim != o.axis, kOp, "key_dim and axis are the same dim ", o.axis.repr());
   check(query.has(o.key_dim), kOp, "key_dim ", o.key_dim.repr(), " is not in query ", repr(query.dims()),
-        "; pass the query's feature dim as key_dim");
+        "; pass the query's feature dim as key_dim", same_name_hint(query, o.key_dim, "query's"));
   check(keys.has(o.key_dim), kOp, "key_dim ", o.key_dim.repr(), " is not in keys ", repr(keys.dims()),
-        "; query and keys must share key_dim");
+        "; query and keys must share key_dim", same_name_hint(keys, o.key_dim, "keys'"));
   check(!o.key_dim.is_dynamic(), kOp, "key_dim ", o.key_dim.repr(), " must be static");
   check(o.key_dim.extent() > 0, kOp, "key_dim ", o.key_dim.repr(), " is empty; the default scale 1/sqrt(0) ",
         "is undefined");
   check(keys.has(o.axis), kOp, "axis ", o.axis.repr(), " is not in keys ", repr(keys.dims()),
-        "; pass the keys' spatial dim as axis");
+        "; pass the keys' spatial dim as axis", same_name_hint(keys, o.axis, "keys'"));
   check(values.has(o.axis), kOp, "axis ", o.axis.repr(), " is not in values ", repr(values.dims()),
-        "; keys and values must share axis");
+        "; keys and values must share axis", same_name_hint(values, o.axis, "values'"));
   if (o.axis.is_dynamic())
-    for (const Dim& d : o.axis.lengths().dims())
+    for (const Dim& d : o.axis.lengths().dims()) {
       check(keys.has(d), kOp, "the lengths of axis ", o.axis.repr(), " vary over ", d.repr(),
             ", which keys ", repr(keys.dims()), " lack; give keys that dim or use a static axis");
+      // Else the mask would vary over the reduced dim: the reference path
+      // failed deep inside [align], the fused paths would mask per feature.
+      check(d != o.key_dim, kOp, "the lengths of axis ", o.axis.repr(), " vary over key_dim ", d.repr(),
+            "; lengths may vary over batch dims only");
+    }
   check(o.att_dropout >= 0 && o.att_dropout < 1, kOp, "att_dropout must be in [0, 1), got ", o.att_dropout);
   if (o.scale)
     check(std::isfinite(*o.scale), kOp, "scale must be finite, got ", *o.scale,
           "; leave it unset for 1/sqrt(extent(key_dim))");
 }
 
-// A call with names turned into roles; `dummy` when the query got a size-1
-// spatial dim that the result must lose again.
-struct Prepared {
-  AttentionCall call;
-  bool dummy;
-};
+}  // namespace
 
-Prepared prepare(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& o) {
+Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& o) {
   validate(query, keys, values, o);
   Tensor q = query, k = keys, v = values;
 
@@ -80,6 +92,11 @@ Prepared prepare(const Tensor& query, const Tensor& keys, const Tensor& values, 
     if (d == o.key_dim || (d != kv_axis && !k.has(d) && !q.has(d))) value_feature.push_back(d);
   for (const Dim& d : all_kv)
     if (d != kv_axis && d != o.key_dim && !q.has(d) && !contains(value_feature, d)) keys_only.push_back(d);
+  // Without one, the result silently loses the feature axis (a weighted sum
+  // of scalars), which is almost always a values tensor with dims mixed up.
+  check(!value_feature.empty(), kOp, "values ", repr(values.dims()), " have no feature dim: every dim but axis ",
+        o.axis.repr(), " is also in query or keys; give values a feature dim (expand_dim(values, Dim(\"v\", 1)) ",
+        "for scalar values)");
 
   // Rule 6: causal.
   const bool causal = o.causal_query_spatial_dim.has_value();
@@ -142,8 +159,6 @@ Prepared prepare(const Tensor& query, const Tensor& keys, const Tensor& values, 
   return {call, dummy};
 }
 
-}  // namespace
-
 Decision explain_attention(const Tensor& query, const Tensor& keys, const Tensor& values,
                            const AttentionOptions& opts) {
   const AttentionCall call = prepare(query, keys, values, opts).call;
@@ -163,6 +178,19 @@ Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& valu
     Tensor out = restore(ref.output);
     TraceScope::record({"reference", out, restore(ref.energy), restore(ref.att_weights), q.shape(), k.shape(),
                         v.shape()});
+    return out;
+  }
+  if (q.numel() == 0 || k.numel() == 0 || v.numel() == 0) {
+    // An empty call (B = 0, T = 0, a zero-size feature or keys-only dim) has
+    // a defined result and nothing to compute, but fused kernels divide by
+    // these extents (ATen's CPU flash kernel dies of SIGFPE on B = 0 or
+    // T = 0). It runs the reference path, which every backend has and which
+    // keeps autograd connected; selection still runs first, so that forcing
+    // a kernel that cannot take the call fails as it would for any size.
+    query.backend().explain_attention(call);
+    Tensor out = restore(reference_attention(call).output);
+    if (TraceScope::active())
+      TraceScope::record({"reference", out, std::nullopt, std::nullopt, q.shape(), k.shape(), v.shape()});
     return out;
   }
   AttentionResult r = query.backend().scaled_dot_product_attention(call);

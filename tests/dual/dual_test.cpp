@@ -56,6 +56,8 @@ std::vector<DualCase> cases() {
                    .lengths = {7, 4}});
     out.push_back({.name = "gqa" + s, .dtype = dt, .H = 2, .G = 4, .Tq = 6, .Tk = 6});
     out.push_back({.name = "gqa_causal" + s, .dtype = dt, .H = 2, .G = 4, .Tq = 6, .Tk = 6, .causal = true});
+    out.push_back({.name = "gqa_causal_lengths" + s, .dtype = dt, .H = 2, .G = 2, .Tq = 6, .Tk = 6, .causal = true,
+                   .self = true, .lengths = {6, 3}});
     out.push_back({.name = "mqa" + s, .dtype = dt, .H = 1, .G = 8, .Tq = 5, .Tk = 9});
     out.push_back({.name = "beam_cross" + s, .dtype = dt, .G = 3, .Tq = 4, .lengths = {7, 5}, .beam_and_time = true});
     out.push_back({.name = "single_step" + s, .dtype = dt, .Tq = 1, .single_step = true, .lengths = {7, 2}});

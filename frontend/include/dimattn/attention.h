@@ -44,6 +44,18 @@ struct AttentionOptions {
 
 Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& opts);
 
+// Gradients of dot_attention with respect to query, keys and values for an
+// upstream gradient `grad_output` (over the output's dims), computed by
+// dimattn's CPU kernel (cpu_flash): for backends without autograd (Eigen); on
+// the torch backend use Tensor::backward. Recomputes the forward pass. With
+// dropout, reset the run context's seed (set_random_seed) to its value before
+// the forward call, so that the same mask is drawn.
+struct AttentionGrads {
+  Tensor query, keys, values;  // dims as the inputs
+};
+AttentionGrads dot_attention_backward(const Tensor& query, const Tensor& keys, const Tensor& values,
+                                      const AttentionOptions& opts, const Tensor& grad_output);
+
 // The reference path materialises energies and weights ([batch..., query
 // rows, kv] in float32 or wider). A call whose energy tensor would exceed this
 // many bytes fails with a clear error instead of exhausting memory. Default
