@@ -13,12 +13,15 @@
 namespace {
 using namespace dimattn;
 
-// args: T, causal (0/1), dtype (0 float32, 1 bfloat16), path (0 reference, 1 auto)
+// The paths compared: forced kernels, and what selection picks.
+const char* const kPaths[] = {"reference", "aten_flash_cpu", "cpu_flash", "auto"};
+
+// args: T, causal (0/1), dtype (0 float32, 1 bfloat16), path (index into kPaths)
 void BM_SelfAttention(benchmark::State& state) {
   const int64_t T = state.range(0);
   const bool causal = state.range(1) != 0;
   const DType dtype = state.range(2) ? DType::bfloat16 : DType::float32;
-  const char* path = state.range(3) ? "auto" : "reference";
+  const char* path = kPaths[state.range(3)];
   Dim batch("batch", 8), heads("heads", 8), time("time", T), feat("feat", 64);
   const TensorOptions o{.dtype = dtype};
   Tensor q = random_normal({batch, heads, time, feat}, 1, o);
@@ -33,11 +36,11 @@ void BM_SelfAttention(benchmark::State& state) {
   }
   const double flops = 4.0 * 8 * 8 * T * T * 64 * (causal ? 0.5 : 1.0);
   state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  state.SetLabel(explain_attention(q, k, v, opts).kernel);
+  state.SetLabel(std::string(path) + " -> " + explain_attention(q, k, v, opts).kernel);
 }
 BENCHMARK(BM_SelfAttention)
-    ->ArgNames({"T", "causal", "bf16", "fast"})
-    ->ArgsProduct({{32, 1024}, {0, 1}, {0, 1}, {0, 1}})
+    ->ArgNames({"T", "causal", "bf16", "path"})
+    ->ArgsProduct({{32, 1024}, {0, 1}, {0, 1}, {0, 1, 2, 3}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

@@ -89,7 +89,10 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   Backend& be = common_backend("where", {&cond, &a, &b});
   check_bool("where", cond);
   check_same_dtype("where", {&a, &b});
-  Dims out = union_dims(union_dims(cond.dims(), a.dims()), b.dims());
+  // The values' dim order first: a mask is usually the smaller operand, and
+  // putting its dims first would leave large results in a transposed layout
+  // that later contractions (ATen's bmm) handle slowly.
+  Dims out = union_dims(union_dims(a.dims(), b.dims()), cond.dims());
   RawPtr r = be.where(aligned_raw("where", cond, out, false), aligned_raw("where", a, out, false),
                       aligned_raw("where", b, out, false));
   return Tensor(out, a.dtype(), a.device(), std::move(r), &be);

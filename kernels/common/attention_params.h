@@ -29,6 +29,7 @@
 // of the weights before dropout.
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <utility>
 
@@ -127,8 +128,13 @@ struct AttentionKernelParams {
 namespace detail {
 
 inline std::string dim_list(int64_t a, int64_t b, int64_t c, int64_t d) {
-  return "[" + std::to_string(a) + ", " + std::to_string(b) + ", " + std::to_string(c) + ", " +
-         std::to_string(d) + "]";
+  std::string s(1, '[');  // appended piecewise: GCC 12 warns (-Wrestrict) on "[" + std::string
+  for (int64_t x : {a, b, c, d}) {
+    if (s.size() > 1) s += ", ";
+    s += std::to_string(x);
+  }
+  s += ']';
+  return s;
 }
 
 // Whether distinct indices of a [sizes] view with these strides address

@@ -8,14 +8,19 @@
 #include <limits>
 #include <memory>
 #include <stdexcept>
+#include <type_traits>
+#include <vector>
 
 #include "kernels/common/philox.h"
 #include "kernels/cpu/flash_attention_heuristics.h"
 
-// The kernel passes 32-byte GCC vectors between inlined helpers; in this
-// baseline (SSE2) translation unit GCC warns that such a function's ABI would
-// differ from an AVX build. None of them is visible outside this file.
-#if defined(__GNUC__) && !defined(__clang__)
+// The transposing packer passes 32-byte vectors between inlined helpers; in
+// this baseline (SSE2) translation unit compilers warn that such a function's
+// ABI would differ from an AVX build. None of them is visible outside this
+// file.
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wpsabi"
+#elif defined(__GNUC__)
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
 
@@ -23,14 +28,26 @@
 
 namespace dimattn::kernels {
 
-// Portable path: plain vector arithmetic, lowered by the compiler to whatever
-// the baseline ISA has (two SSE operations per vector on x86-64, NEON on arm).
+// Portable path: plain 16-byte vector arithmetic, which every 64-bit target's
+// baseline has (SSE2 on x86-64, NEON on arm64), lowered by the compiler.
 namespace cpu_flash_generic {
-typedef float vf __attribute__((vector_size(32)));
-typedef double vd __attribute__((vector_size(32)));
-typedef int32_t vi __attribute__((vector_size(32)));
+typedef float vf __attribute__((vector_size(16)));
+typedef double vd __attribute__((vector_size(16)));
+typedef int32_t vi __attribute__((vector_size(16)));
 DIMATTN_INLINE vf vfma(vf a, vf b, vf c) { return a * b + c; }
 DIMATTN_INLINE vd vfma(vd a, vd b, vd c) { return a * b + c; }
+DIMATTN_INLINE vf vmax(vf a, vf b) { return a > b ? a : b; }
+DIMATTN_INLINE vd vmax(vd a, vd b) { return a > b ? a : b; }
+DIMATTN_INLINE vf vmin(vf a, vf b) { return a < b ? a : b; }
+DIMATTN_INLINE vd vmin(vd a, vd b) { return a < b ? a : b; }
+inline void philox_bits(uint64_t key, uint32_t k4, uint32_t c1, uint32_t c2, uint32_t c3, int64_t groups,
+                        uint32_t* out) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const Philox4 r = philox4x32_10(Philox4{{k4 + static_cast<uint32_t>(g), c1, c2, c3}}, key);
+    for (int l = 0; l < 4; ++l) out[4 * g + l] = r.v[l];
+  }
+}
+constexpr int kMicroRows = 6;  // 12 accumulators of SSE2's 16 registers
 #include "kernels/cpu/flash_attention_impl.h"
 }  // namespace cpu_flash_generic
 

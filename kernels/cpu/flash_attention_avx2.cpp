@@ -12,6 +12,8 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
+#include <vector>
 
 #include "kernels/common/attention_params.h"
 #include "kernels/common/philox.h"
@@ -46,6 +48,67 @@ typedef int32_t vi __attribute__((vector_size(32)));
 // -ffp-contract, and the fused form is both faster and what we test.
 DIMATTN_INLINE vf vfma(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
 DIMATTN_INLINE vd vfma(vd a, vd b, vd c) { return (vd)_mm256_fmadd_pd((__m256d)a, (__m256d)b, (__m256d)c); }
+// One instruction each (a compare-and-select is two).
+DIMATTN_INLINE vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
+DIMATTN_INLINE vd vmax(vd a, vd b) { return (vd)_mm256_max_pd((__m256d)a, (__m256d)b); }
+DIMATTN_INLINE vf vmin(vf a, vf b) { return (vf)_mm256_min_ps((__m256)a, (__m256)b); }
+DIMATTN_INLINE vd vmin(vd a, vd b) { return (vd)_mm256_min_pd((__m256d)a, (__m256d)b); }
+
+// 32 x 32 -> 64-bit products of the 8 lanes of a with m (m's lanes all equal).
+DIMATTN_INLINE void mulhilo8(__m256i a, __m256i m, __m256i& hi, __m256i& lo) {
+  const __m256i even = _mm256_mul_epu32(a, m);                         // lanes 0, 2, 4, 6
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);  // lanes 1, 3, 5, 7
+  lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+  hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
+
+// philox4x32_10 (philox.h) for 8 consecutive counters at once, one per lane;
+// the same rounds and keys, so the same bits.
+inline void philox_bits(uint64_t key, uint32_t k4, uint32_t c1, uint32_t c2, uint32_t c3, int64_t groups,
+                        uint32_t* out) {
+  const __m256i m0 = _mm256_set1_epi32(static_cast<int>(0xD2511F53u));
+  const __m256i m1 = _mm256_set1_epi32(static_cast<int>(0xCD9E8D57u));
+  __m256i rk0[10], rk1[10];
+  {
+    uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
+    for (int r = 0; r < 10; ++r, k0 += 0x9E3779B9u, k1 += 0xBB67AE85u) {
+      rk0[r] = _mm256_set1_epi32(static_cast<int>(k0));
+      rk1[r] = _mm256_set1_epi32(static_cast<int>(k1));
+    }
+  }
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    __m256i x0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(k4 + static_cast<uint32_t>(g))),
+                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i x1 = _mm256_set1_epi32(static_cast<int>(c1));
+    __m256i x2 = _mm256_set1_epi32(static_cast<int>(c2));
+    __m256i x3 = _mm256_set1_epi32(static_cast<int>(c3));
+    for (int r = 0; r < 10; ++r) {
+      __m256i hi0, lo0, hi1, lo1;
+      mulhilo8(x0, m0, hi0, lo0);
+      mulhilo8(x2, m1, hi1, lo1);
+      x0 = _mm256_xor_si256(_mm256_xor_si256(hi1, x1), rk0[r]);
+      x1 = lo1;
+      x2 = _mm256_xor_si256(_mm256_xor_si256(hi0, x3), rk1[r]);
+      x3 = lo0;
+    }
+    // Lanes hold counters g..g+7; out wants each counter's 4 words together.
+    const __m256i t0 = _mm256_unpacklo_epi32(x0, x1), t1 = _mm256_unpackhi_epi32(x0, x1);
+    const __m256i t2 = _mm256_unpacklo_epi32(x2, x3), t3 = _mm256_unpackhi_epi32(x2, x3);
+    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+    __m256i* o = reinterpret_cast<__m256i*>(out + 4 * g);
+    _mm256_storeu_si256(o + 0, _mm256_permute2x128_si256(u0, u1, 0x20));
+    _mm256_storeu_si256(o + 1, _mm256_permute2x128_si256(u2, u3, 0x20));
+    _mm256_storeu_si256(o + 2, _mm256_permute2x128_si256(u0, u1, 0x31));
+    _mm256_storeu_si256(o + 3, _mm256_permute2x128_si256(u2, u3, 0x31));
+  }
+  for (; g < groups; ++g) {
+    const Philox4 r = philox4x32_10(Philox4{{k4 + static_cast<uint32_t>(g), c1, c2, c3}}, key);
+    for (int l = 0; l < 4; ++l) out[4 * g + l] = r.v[l];
+  }
+}
+constexpr int kMicroRows = 6;  // 12 accumulators of AVX2's 16 registers
 #include "kernels/cpu/flash_attention_impl.h"
 }  // namespace cpu_flash_avx2
 

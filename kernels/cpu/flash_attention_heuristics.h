@@ -16,6 +16,11 @@ constexpr int64_t fwd_block_q(int64_t head_dim) { return head_dim <= 64 ? 128 : 
 // blocks in the micro-kernel; 4 | tile keeps Philox's 4-lane groups aligned.
 constexpr int64_t fwd_block_k(int64_t head_dim) { return head_dim <= 64 ? 128 : 64; }
 
+// A forward task range keeps the packed kv tiles of its current kv head when
+// they fit this budget (per thread), so that the query blocks of that head
+// (and of the GQA heads sharing it) pack each tile once.
+constexpr int64_t fwd_kv_cache_bytes() { return int64_t{32} << 20; }
+
 // Backward: query rows and kv positions per (q block, kv tile) step. The
 // step holds five tiles (S/P, dP, P with dropout, and the dK, dV accumulators).
 constexpr int64_t bwd_block_q(int64_t /*head_dim*/) { return 64; }

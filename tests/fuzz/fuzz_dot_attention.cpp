@@ -1,0 +1,286 @@
+// Fuzzes dot_attention's role inference: random dim sets, sizes (0
+// included), dynamic lengths (negative, past the extent, float), options
+// (dropout, scale, causal dim and offset), dtypes, train flag, tracing,
+// forcing and the reference memory limit.
+//
+// Outcome: a result or a dimattn::Error, never anything else (any other
+// exception escapes and libFuzzer reports it; sanitizers report the rest).
+// For a result:
+// - its dims are DESIGN.md §3's: values' dims without axis, plus the query's
+//   dims without key_dim, plus keys' dims other than axis and key_dim (dims
+//   keys/values have and the query lacks are broadcast into the result);
+// - its dtype is the query's;
+// - without active dropout, it equals an independent computation in plain
+//   loops over named indices (masking by lengths and causal offset; a row
+//   with no valid kv position gives 0), so it is never NaN for finite input;
+// - trace records hold what docs/api.md says.
+#include <fuzzer/FuzzedDataProvider.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dimattn/attention.h"
+#include "dimattn/error.h"
+#include "dimattn/forcing.h"
+#include "dimattn/ops.h"
+#include "dimattn/registry.h"
+#include "dimattn/run_context.h"
+#include "dimattn/trace.h"
+
+using namespace dimattn;
+
+namespace {
+
+std::string describe_call;  // printed on failure
+
+[[noreturn]] void fail(const std::string& what) {
+  std::fprintf(stderr, "fuzz_dot_attention: %s\n%s\n", what.c_str(), describe_call.c_str());
+  std::abort();
+}
+
+// A tensor's values on the host, read by named index.
+struct Host {
+  Dims dims;
+  std::vector<double> data;
+  std::vector<int64_t> strides;
+  explicit Host(const Tensor& t) : dims(t.dims()), data(to_host(t)), strides(dims.size()) {
+    int64_t s = 1;
+    for (int a = static_cast<int>(dims.size()) - 1; a >= 0; --a) {
+      strides[a] = s;
+      s *= dims[a].extent();
+    }
+  }
+  double at(const std::map<Dim, int64_t>& idx) const {
+    int64_t off = 0;
+    for (size_t a = 0; a < dims.size(); ++a) off += idx.at(dims[a]) * strides[a];
+    return data[static_cast<size_t>(off)];
+  }
+};
+
+bool same_set(const Dims& a, const Dims& b) {
+  if (a.size() != b.size()) return false;
+  for (const Dim& d : a)
+    if (!contains(b, d)) return false;
+  return true;
+}
+
+void add_unique(Dims& out, const Dims& in, const Dims& skip) {
+  for (const Dim& d : in)
+    if (!contains(skip, d) && !contains(out, d)) out.push_back(d);
+}
+
+DType pick_dtype(FuzzedDataProvider& in) {
+  switch (in.ConsumeIntegralInRange<int>(0, 15)) {
+    case 0: return DType::float64;
+    case 1: return DType::bfloat16;
+    case 2: return DType::float16;
+    case 3: return DType::int32;
+    default: return DType::float32;
+  }
+}
+
+// Dims picked from the pool by a bitmask, in an order the input chooses;
+// rarely with one dim twice.
+Dims pick_dims(FuzzedDataProvider& in, const Dims& pool) {
+  Dims out;
+  const uint32_t mask = in.ConsumeIntegral<uint32_t>();
+  for (size_t i = 0; i < pool.size(); ++i)
+    if (mask & (1u << i)) out.push_back(pool[i]);
+  for (size_t i = out.size(); i > 1; --i) std::swap(out[i - 1], out[in.ConsumeIntegralInRange<size_t>(0, i - 1)]);
+  if (!out.empty() && in.ConsumeIntegralInRange<int>(0, 63) == 0) out.push_back(out.front());
+  return out;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  FuzzedDataProvider in(data, size);
+  const std::vector<std::string> backends = backend_names();
+  const std::string be = backends[in.ConsumeIntegralInRange<size_t>(0, backends.size() - 1)];
+  const TensorOptions int_opts{.dtype = DType::int64, .backend = be};
+  describe_call = "backend " + be;
+
+  try {
+    // --- a pool of dims: static (0..4) and dynamic over earlier static dims ---
+    Dims pool;
+    const int n = in.ConsumeIntegralInRange<int>(1, 7);
+    for (int i = 0; i < n; ++i) {
+      const int raw = in.ConsumeIntegralInRange<int>(0, 15);
+      const int64_t extent = raw == 0 ? 0 : 1 + raw % 4;
+      // Names repeat sometimes: identity, not name, makes a dim.
+      const std::string name = "d" + std::to_string(in.ConsumeIntegralInRange<int>(0, 5) == 0 ? 0 : i);
+      Dims statics;
+      for (const Dim& d : pool)
+        if (!d.is_dynamic()) statics.push_back(d);
+      if (!statics.empty() && in.ConsumeIntegralInRange<int>(0, 3) == 0) {
+        Dims over;
+        for (const Dim& d : statics)
+          if (in.ConsumeBool()) over.push_back(d);
+        int64_t count = 1;
+        for (const Dim& d : over) count *= d.extent();
+        std::vector<double> lens;
+        for (int64_t j = 0; j < count; ++j)
+          lens.push_back(in.ConsumeIntegralInRange<int>(0, 15) == 0 ? in.ConsumeIntegralInRange<int>(-2, extent + 2)
+                                                                     : in.ConsumeIntegralInRange<int64_t>(0, extent));
+        const int lk = in.ConsumeIntegralInRange<int>(0, 9);
+        const DType ldt = lk == 0 ? DType::float32 : lk == 1 ? DType::int32 : DType::int64;
+        const Tensor lengths = from_host(over, lens, {.dtype = ldt, .backend = be});
+        const std::optional<int64_t> ext = in.ConsumeBool() ? std::optional<int64_t>(extent) : std::nullopt;
+        pool.push_back(Dim::dynamic(name, lengths, ext));
+      } else {
+        pool.push_back(Dim(name, extent));
+      }
+    }
+
+    // --- operands ---
+    const Dims qd = pick_dims(in, pool), kd = pick_dims(in, pool), vd = pick_dims(in, pool);
+    const DType dt = pick_dtype(in);
+    const DType vdt = in.ConsumeIntegralInRange<int>(0, 31) == 0 ? pick_dtype(in) : dt;
+    AttentionOptions o{.key_dim = pool[in.ConsumeIntegralInRange<size_t>(0, pool.size() - 1)],
+                       .axis = pool[in.ConsumeIntegralInRange<size_t>(0, pool.size() - 1)]};
+    static const double kDropouts[] = {0, 0, 0, 0.1, 0.5, 0.99, -0.1, 1.0, NAN, INFINITY};
+    o.att_dropout = kDropouts[in.ConsumeIntegralInRange<int>(0, 9)];
+    o.att_dropout_broadcast = in.ConsumeBool();
+    if (in.ConsumeIntegralInRange<int>(0, 2) == 0)
+      o.causal_query_spatial_dim = pool[in.ConsumeIntegralInRange<size_t>(0, pool.size() - 1)];
+    if (in.ConsumeIntegralInRange<int>(0, 3) == 0) {
+      Dims od;
+      for (const Dim& d : qd)
+        if (in.ConsumeBool()) od.push_back(d);
+      int64_t count = 1;
+      for (const Dim& d : od) count *= d.extent();
+      std::vector<double> offs;
+      for (int64_t j = 0; j < count && j < 4096; ++j) offs.push_back(in.ConsumeIntegralInRange<int>(-3, 6));
+      if (static_cast<int64_t>(offs.size()) == count) {
+        const int ok = in.ConsumeIntegralInRange<int>(0, 9);
+        const DType odt = ok == 0 ? DType::float32 : ok == 1 ? DType::int32 : DType::int64;
+        o.causal_offset = from_host(od, offs, {.dtype = odt, .backend = be});
+      }
+    }
+    static const double kScales[] = {0.5, 1.0, 0.0, -2.0, 3.0, NAN, INFINITY, -INFINITY};
+    if (in.ConsumeBool()) o.scale = kScales[in.ConsumeIntegralInRange<int>(0, 7)];
+    const bool train = in.ConsumeBool();
+    const int mode = in.ConsumeIntegralInRange<int>(0, 6);
+    const bool low_limit = in.ConsumeIntegralInRange<int>(0, 15) == 0;
+
+    describe_call += " q" + repr(qd) + " k" + repr(kd) + " v" + repr(vd) + " dtype " + dtype_name(dt) + "/" +
+                     dtype_name(vdt) + " key_dim " + o.key_dim.repr() + " axis " + o.axis.repr() + " dropout " +
+                     std::to_string(o.att_dropout) + (o.att_dropout_broadcast ? " broadcast" : "") + " causal " +
+                     (o.causal_query_spatial_dim ? o.causal_query_spatial_dim->repr() : "-") + " offset " +
+                     (o.causal_offset ? o.causal_offset->repr() : "-") + " scale " +
+                     (o.scale ? std::to_string(*o.scale) : "-") + " train " + std::to_string(train) + " mode " +
+                     std::to_string(mode) + " low_limit " + std::to_string(low_limit);
+
+    // Integer operands: made as floats, then cast (random_normal takes floats only).
+    auto make = [&](const Dims& dims, uint64_t seed, DType t) {
+      const Tensor x = random_normal(dims, seed, {.dtype = is_floating(t) ? t : DType::float32, .backend = be});
+      return is_floating(t) ? x : cast(x, t);
+    };
+    const Tensor q = make(qd, 1, dt), k = make(kd, 2, dt), v = make(vd, 3, vdt);
+
+    // --- the call ---
+    TrainFlagScope train_scope(train);
+    set_random_seed(42);
+    struct LimitGuard {
+      int64_t saved = reference_memory_limit();
+      ~LimitGuard() { set_reference_memory_limit(saved); }
+    } limit_guard;
+    if (low_limit) set_reference_memory_limit(64);
+
+    std::optional<Tensor> out;
+    std::optional<TraceScope> trace;
+    std::optional<ForceKernels> force;
+    if (mode == 1) trace.emplace(true);
+    if (mode == 2) trace.emplace(false);
+    if (mode == 3) force.emplace("reference");
+    if (mode == 4) force.emplace("cpu_flash");
+    if (mode == 5) {
+      const Decision d = explain_attention(q, k, v, o);
+      if (d.kernel.empty()) fail("explain_attention chose no kernel");
+      return 0;
+    }
+    out = dot_attention(q, k, v, o);
+
+    // --- dims and dtype ---
+    Dims expected;
+    add_unique(expected, vd, {o.axis});
+    add_unique(expected, qd, {o.key_dim});
+    add_unique(expected, kd, {o.axis, o.key_dim});
+    if (!same_set(out->dims(), expected))
+      fail("result dims " + repr(out->dims()) + " are not the contract's " + repr(expected));
+    if (out->dtype() != dt) fail(std::string("result dtype ") + dtype_name(out->dtype()) + " is not the query's");
+
+    if (trace) {
+      if (trace->records().size() != 1) fail("trace scope holds " + std::to_string(trace->records().size()) + " records");
+      const AttentionTrace& r = trace->records()[0];
+      if (!same_set(r.output.dims(), out->dims())) fail("traced output dims differ from the result's");
+      if (mode == 1 && (r.kernel != "reference" || !r.energy || !r.att_weights))
+        fail("a capturing trace did not record the reference path's energy and weights");
+      if (mode == 2 && (r.energy || r.att_weights)) fail("a non-capturing trace recorded tensors");
+    }
+
+    // --- values, against plain loops ---
+    const bool dropout_on = train && o.att_dropout > 0;
+    if (dropout_on || !is_floating(dt)) return 0;
+    const double scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(o.key_dim.extent())));
+    const Host hq(q), hk(k), hv(v), ho(*out);
+    std::optional<Host> hlen, hoff;
+    if (o.axis.is_dynamic()) hlen.emplace(o.axis.lengths());
+    if (o.causal_offset) hoff.emplace(*o.causal_offset);
+    const int64_t nk = o.axis.extent(), nd = o.key_dim.extent();
+    const double tol = dt == DType::float64 ? 1e-9 : dt == DType::float32 ? 2e-4 : 5e-2;
+    std::map<Dim, int64_t> idx;
+    for (const Dim& d : ho.dims) idx[d] = 0;
+    for (size_t flat = 0; flat < ho.data.size(); ++flat) {
+      // idx: the output element's coordinates, in ho's row-major order.
+      size_t rem = flat;
+      for (int a = static_cast<int>(ho.dims.size()) - 1; a >= 0; --a) {
+        const int64_t e = ho.dims[a].extent();
+        idx[ho.dims[a]] = static_cast<int64_t>(rem % static_cast<size_t>(e));
+        rem /= static_cast<size_t>(e);
+      }
+      int64_t len = nk;
+      if (hlen) len = static_cast<int64_t>(hlen->at(idx));
+      int64_t limit = nk;
+      if (o.causal_query_spatial_dim) limit = idx.at(*o.causal_query_spatial_dim) + (hoff ? static_cast<int64_t>(hoff->at(idx)) : 0);
+      std::vector<double> e;
+      std::vector<int64_t> js;
+      for (int64_t j = 0; j < nk; ++j) {
+        if (j >= len || j > limit) continue;
+        std::map<Dim, int64_t> qi = idx, ki = idx;
+        ki[o.axis] = j;
+        double s = 0;
+        for (int64_t c = 0; c < nd; ++c) {
+          qi[o.key_dim] = ki[o.key_dim] = c;
+          s += hq.at(qi) * hk.at(ki);
+        }
+        e.push_back(s * scale);
+        js.push_back(j);
+      }
+      double want = 0;
+      if (!e.empty()) {
+        const double mx = *std::max_element(e.begin(), e.end());
+        double z = 0;
+        for (double x : e) z += std::exp(x - mx);
+        std::map<Dim, int64_t> vi = idx;
+        for (size_t t = 0; t < e.size(); ++t) {
+          vi[o.axis] = js[t];
+          want += std::exp(e[t] - mx) / z * hv.at(vi);
+        }
+      }
+      const double got = ho.data[flat];
+      if (!(std::abs(got - want) <= tol * std::max(1.0, std::abs(want))))
+        fail("result element " + std::to_string(flat) + " is " + std::to_string(got) + ", plain loops give " +
+             std::to_string(want));
+    }
+  } catch (const dimattn::Error&) {
+    // A clear error is a valid outcome for bad input.
+  }
+  return 0;
+}

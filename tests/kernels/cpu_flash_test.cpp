@@ -1,0 +1,931 @@
+// The CPU flash attention kernel against a naive float64 reference: forward
+// (out, lse) and backward (dq, dk, dv from the analytic gradient), over masks,
+// GQA, odd head dims, dropout, strided views, dtypes and thread counts.
+// Needs only the kernel sources: no frontend, no backend.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels/common/attention_params.h"
+#include "kernels/common/philox.h"
+#include "kernels/cpu/flash_attention.h"
+#include "kernels/cpu/thread_pool.h"
+
+namespace dimattn::kernels {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// ---------------------------------------------------------------------------
+// Elements of a dtype in a byte buffer.
+
+size_t elem_size(ElementType t) { return t == ElementType::float64 ? 8 : t == ElementType::float32 ? 4 : 2; }
+
+uint16_t bf16_round(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+float bf16_value(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+// The value a double has once stored in the dtype.
+double representable(ElementType t, double x) {
+  switch (t) {
+    case ElementType::float64: return x;
+    case ElementType::float32: return static_cast<float>(x);
+    case ElementType::bfloat16: return bf16_value(bf16_round(static_cast<float>(x)));
+  }
+  return x;
+}
+
+struct Buffer {
+  ElementType dtype;
+  std::vector<unsigned char> bytes;
+  Buffer(ElementType t, int64_t n) : dtype(t), bytes(static_cast<size_t>(n) * elem_size(t)) {
+    // NaN everywhere: an element the kernel should have written and did not shows up.
+    for (int64_t i = 0; i < n; ++i) set(i, std::numeric_limits<double>::quiet_NaN());
+  }
+  void* data() { return bytes.data(); }
+  void set(int64_t i, double x) {
+    unsigned char* p = bytes.data() + i * elem_size(dtype);
+    if (dtype == ElementType::float64) {
+      std::memcpy(p, &x, 8);
+    } else if (dtype == ElementType::float32) {
+      const float f = static_cast<float>(x);
+      std::memcpy(p, &f, 4);
+    } else {
+      const uint16_t h = std::isnan(x) ? uint16_t{0x7fc0} : bf16_round(static_cast<float>(x));
+      std::memcpy(p, &h, 2);
+    }
+  }
+  double get(int64_t i) const {
+    const unsigned char* p = bytes.data() + i * elem_size(dtype);
+    if (dtype == ElementType::float64) {
+      double d;
+      std::memcpy(&d, p, 8);
+      return d;
+    }
+    if (dtype == ElementType::float32) {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return bf16_value(h);
+  }
+};
+
+// A 4-d view [n0, n1, n2, n3] into a buffer.
+struct View {
+  Buffer* buf = nullptr;
+  int64_t base = 0;
+  ElementStrides st;
+  int64_t at(int64_t a, int64_t b, int64_t c, int64_t d) const {
+    return base + a * st.batch + b * st.head + c * st.row + d * st.last;
+  }
+  void* ptr() const { return buf->bytes.data() + base * elem_size(buf->dtype); }
+};
+
+// Logical [n0][n1][n2][n3] float64 array.
+struct Array4 {
+  int64_t n[4] = {0, 0, 0, 0};
+  std::vector<double> v;
+  Array4() = default;
+  Array4(int64_t a, int64_t b, int64_t c, int64_t d, double fillv = 0.0)
+      : n{a, b, c, d}, v(static_cast<size_t>(a * b * c * d), fillv) {}
+  double& operator()(int64_t a, int64_t b, int64_t c, int64_t d) { return v[((a * n[1] + b) * n[2] + c) * n[3] + d]; }
+  double operator()(int64_t a, int64_t b, int64_t c, int64_t d) const {
+    return v[((a * n[1] + b) * n[2] + c) * n[3] + d];
+  }
+};
+
+// ---------------------------------------------------------------------------
+// A test case, written as data.
+
+enum class Layout {
+  contiguous,  // [B, H, T, D]
+  bthd,        // [B, T, H, D]: permuted view
+  padded,      // [B, H, T, D + 3] with a gap between heads: rows not dense
+  packed,      // q, k, v as views into one [T, B, H + 2 Hkv, D] buffer (zero-copy)
+};
+
+struct Case {
+  std::string name;
+  int64_t B = 1, H = 1, Hkv = 1, Tq = 1, Tk = 1, D = 4, Dv = 4;
+  bool causal = false;
+  std::vector<int64_t> offsets;  // per batch entry; empty = nullptr
+  std::vector<int64_t> kv_lens;  // empty = full
+  std::vector<int64_t> q_lens;   // empty = full
+  double p = 0.0;
+  bool broadcast = false;
+  ElementType dtype = ElementType::float32;
+  Layout layout = Layout::contiguous;
+  double scale = 0.0;  // 0 = 1 / sqrt(D)
+  uint64_t seed = 1234;
+  uint32_t rng_offset = 7;
+};
+
+double fwd_tol(ElementType t) { return t == ElementType::float64 ? 1e-10 : t == ElementType::float32 ? 1e-5 : 2e-2; }
+double bwd_tol(ElementType t) { return 2 * fwd_tol(t); }
+
+struct Inputs {
+  Array4 q, k, v, dout;  // exactly representable in the case's dtype
+};
+
+Inputs make_inputs(const Case& c) {
+  std::mt19937_64 rng(c.seed * 7919 + static_cast<uint64_t>(c.Tq * 131 + c.Tk));
+  std::normal_distribution<double> normal(0.0, 1.0);
+  Inputs in;
+  auto fill = [&](Array4& a, int64_t n0, int64_t n1, int64_t n2, int64_t n3) {
+    a = Array4(n0, n1, n2, n3);
+    for (double& x : a.v) x = representable(c.dtype, normal(rng));
+  };
+  fill(in.q, c.B, c.H, c.Tq, c.D);
+  fill(in.k, c.B, c.Hkv, c.Tk, c.D);
+  fill(in.v, c.B, c.Hkv, c.Tk, c.Dv);
+  fill(in.dout, c.B, c.H, c.Tq, c.Dv);
+  return in;
+}
+
+// ---------------------------------------------------------------------------
+// The naive float64 reference: masked softmax, dropout, matmul; the backward
+// pass from the analytic gradient.
+
+struct Reference {
+  Array4 out, lse, dq, dk, dv;  // lse as [B, H, Tq, 1]
+};
+
+bool keep(const Case& c, int64_t b, int64_t h, int64_t i, int64_t j) {
+  if (c.p <= 0) return true;
+  const float u = c.broadcast ? dropout_uniform_broadcast(c.seed, c.rng_offset, static_cast<uint32_t>(j))
+                              : dropout_uniform(c.seed, c.rng_offset, static_cast<uint32_t>(b * c.H + h),
+                                                static_cast<uint32_t>(i), static_cast<uint32_t>(j));
+  return u >= c.p;
+}
+
+double scale_of(const Case& c) { return c.scale != 0 ? c.scale : 1.0 / std::sqrt(static_cast<double>(c.D)); }
+
+bool attends(const Case& c, int64_t b, int64_t i, int64_t j) {
+  const int64_t q_len = c.q_lens.empty() ? c.Tq : c.q_lens[b];
+  const int64_t kv_len = c.kv_lens.empty() ? c.Tk : c.kv_lens[b];
+  const int64_t off = c.offsets.empty() ? 0 : c.offsets[b];
+  return i < q_len && j < kv_len && (!c.causal || j <= i + off);
+}
+
+Reference reference(const Case& c, const Inputs& in) {
+  Reference r;
+  r.out = Array4(c.B, c.H, c.Tq, c.Dv);
+  r.lse = Array4(c.B, c.H, c.Tq, 1, -kInf);
+  r.dq = Array4(c.B, c.H, c.Tq, c.D);
+  r.dk = Array4(c.B, c.Hkv, c.Tk, c.D);
+  r.dv = Array4(c.B, c.Hkv, c.Tk, c.Dv);
+  const double scale = scale_of(c);
+  const double zkeep = c.p < 1 ? 1.0 / (1.0 - c.p) : 0.0;
+  const int64_t G = c.H / c.Hkv;
+  std::vector<double> s(c.Tk), pr(c.Tk), z(c.Tk), dp(c.Tk);
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t h = 0; h < c.H; ++h)
+      for (int64_t i = 0; i < c.Tq; ++i) {
+        const int64_t hk = h / G;
+        double m = -kInf;
+        for (int64_t j = 0; j < c.Tk; ++j) {
+          s[j] = -kInf;
+          if (!attends(c, b, i, j)) continue;
+          double acc = 0;
+          for (int64_t d = 0; d < c.D; ++d) acc += in.q(b, h, i, d) * in.k(b, hk, j, d);
+          s[j] = scale * acc;
+          m = std::max(m, s[j]);
+        }
+        if (m == -kInf) continue;  // nothing attended: out 0, lse -inf, no gradient
+        double sum = 0;
+        for (int64_t j = 0; j < c.Tk; ++j) sum += s[j] == -kInf ? 0.0 : std::exp(s[j] - m);
+        r.lse(b, h, i, 0) = m + std::log(sum);
+        for (int64_t j = 0; j < c.Tk; ++j) {
+          pr[j] = s[j] == -kInf ? 0.0 : std::exp(s[j] - m) / sum;
+          z[j] = keep(c, b, h, i, j) ? zkeep : 0.0;
+        }
+        for (int64_t e = 0; e < c.Dv; ++e) {
+          double acc = 0;
+          for (int64_t j = 0; j < c.Tk; ++j) acc += pr[j] * z[j] * in.v(b, hk, j, e);
+          r.out(b, h, i, e) = acc;
+        }
+        // Backward: dP = (dO . v_j) z_j, dS = P (dP - sum_j P dP).
+        double di = 0;
+        for (int64_t j = 0; j < c.Tk; ++j) {
+          double acc = 0;
+          for (int64_t e = 0; e < c.Dv; ++e) acc += in.dout(b, h, i, e) * in.v(b, hk, j, e);
+          dp[j] = acc * z[j];
+          di += pr[j] * dp[j];
+        }
+        for (int64_t j = 0; j < c.Tk; ++j) {
+          if (pr[j] == 0) continue;
+          const double ds = pr[j] * (dp[j] - di);
+          for (int64_t d = 0; d < c.D; ++d) {
+            r.dq(b, h, i, d) += scale * ds * in.k(b, hk, j, d);
+            r.dk(b, hk, j, d) += scale * ds * in.q(b, h, i, d);
+          }
+          for (int64_t e = 0; e < c.Dv; ++e) r.dv(b, hk, j, e) += pr[j] * z[j] * in.dout(b, h, i, e);
+        }
+      }
+  return r;
+}
+
+// ---------------------------------------------------------------------------
+// Running the kernel on a case.
+
+struct KernelRun {
+  std::vector<Buffer> buffers;  // owns every tensor
+  View q, k, v, out, dout, dq, dk, dv;
+  std::vector<unsigned char> lse;  // [B, H, Tq] in the accumulation type
+  AttentionKernelParams p;
+};
+
+// Views of q (or dq), k (dk), v (dv) for the case's layout, in fresh buffers.
+void make_qkv(const Case& c, std::vector<Buffer>& bufs, View& q, View& k, View& v) {
+  const ElementType t = c.dtype;
+  auto dense = [&](View& view, int64_t n1, int64_t T, int64_t Dm) {
+    bufs.emplace_back(t, c.B * n1 * (T * (Dm + 3) + 5));
+    view.base = 0;
+    switch (c.layout) {
+      case Layout::bthd: view.st = {T * n1 * Dm, Dm, n1 * Dm, 1}; break;
+      case Layout::padded: view.st = {n1 * (T * (Dm + 3) + 5), T * (Dm + 3) + 5, Dm + 3, 1}; break;
+      default: view.st = {n1 * T * Dm, T * Dm, Dm, 1}; break;
+    }
+  };
+  if (c.layout == Layout::packed) {
+    // [T, B, H + 2 Hkv, D]: q heads, then k heads, then v heads.
+    const int64_t heads = c.H + 2 * c.Hkv;
+    bufs.emplace_back(t, c.Tq * c.B * heads * c.D);
+    const ElementStrides st{heads * c.D, c.D, c.B * heads * c.D, 1};
+    q = View{nullptr, 0, st};
+    k = View{nullptr, c.H * c.D, st};
+    v = View{nullptr, (c.H + c.Hkv) * c.D, st};
+    return;
+  }
+  dense(q, c.H, c.Tq, c.D);
+  dense(k, c.Hkv, c.Tk, c.D);
+  dense(v, c.Hkv, c.Tk, c.Dv);
+}
+
+KernelRun prepare(const Case& c, const Inputs& in) {
+  KernelRun r;
+  r.buffers.reserve(16);
+  const size_t first = r.buffers.size();
+  make_qkv(c, r.buffers, r.q, r.k, r.v);
+  // Point views at their buffers now that the vector no longer grows.
+  auto bind = [&](size_t start, View& q, View& k, View& v) {
+    if (c.layout == Layout::packed) {
+      q.buf = k.buf = v.buf = &r.buffers[start];
+    } else {
+      q.buf = &r.buffers[start];
+      k.buf = &r.buffers[start + 1];
+      v.buf = &r.buffers[start + 2];
+    }
+  };
+  bind(first, r.q, r.k, r.v);
+  const size_t grads = r.buffers.size();
+  make_qkv(c, r.buffers, r.dq, r.dk, r.dv);
+  bind(grads, r.dq, r.dk, r.dv);
+  // out and dout: [B, H, Tq, Dv], laid out like q (packed: [Tq, B, H, Dv]).
+  const ElementType t = c.dtype;
+  auto qlike = [&](View& view) {
+    r.buffers.emplace_back(t, c.B * c.H * (c.Tq * (c.Dv + 3) + 5));
+    view.buf = &r.buffers.back();
+    switch (c.layout) {
+      case Layout::bthd: view.st = {c.Tq * c.H * c.Dv, c.Dv, c.H * c.Dv, 1}; break;
+      case Layout::padded: view.st = {c.H * (c.Tq * (c.Dv + 3) + 5), c.Tq * (c.Dv + 3) + 5, c.Dv + 3, 1}; break;
+      case Layout::packed: view.st = {c.H * c.Dv, c.Dv, c.B * c.H * c.Dv, 1}; break;
+      default: view.st = {c.H * c.Tq * c.Dv, c.Tq * c.Dv, c.Dv, 1}; break;
+    }
+  };
+  qlike(r.out);
+  qlike(r.dout);
+  // qlike's emplace_back may have moved earlier buffers: rebind everything.
+  bind(first, r.q, r.k, r.v);
+  bind(grads, r.dq, r.dk, r.dv);
+  r.out.buf = &r.buffers[r.buffers.size() - 2];
+  r.dout.buf = &r.buffers[r.buffers.size() - 1];
+
+  auto store = [](View& view, const Array4& a) {
+    for (int64_t i0 = 0; i0 < a.n[0]; ++i0)
+      for (int64_t i1 = 0; i1 < a.n[1]; ++i1)
+        for (int64_t i2 = 0; i2 < a.n[2]; ++i2)
+          for (int64_t i3 = 0; i3 < a.n[3]; ++i3) view.buf->set(view.at(i0, i1, i2, i3), a(i0, i1, i2, i3));
+  };
+  store(r.q, in.q);
+  store(r.k, in.k);
+  store(r.v, in.v);
+  store(r.dout, in.dout);
+
+  const size_t acc = c.dtype == ElementType::float64 ? 8 : 4;
+  r.lse.assign(static_cast<size_t>(std::max<int64_t>(c.B * c.H * c.Tq, 1)) * acc, 0xff);  // NaN pattern
+
+  AttentionKernelParams& p = r.p;
+  p.dtype = c.dtype;
+  p.q = r.q.ptr();
+  p.k = r.k.ptr();
+  p.v = r.v.ptr();
+  p.out = r.out.ptr();
+  p.lse = r.lse.data();
+  p.dout = r.dout.ptr();
+  p.dq = r.dq.ptr();
+  p.dk = r.dk.ptr();
+  p.dv = r.dv.ptr();
+  p.batch = c.B;
+  p.heads = c.H;
+  p.kv_heads = c.Hkv;
+  p.seqlen_q = c.Tq;
+  p.seqlen_k = c.Tk;
+  p.head_dim = c.D;
+  p.head_dim_v = c.Dv;
+  p.q_strides = r.q.st;
+  p.k_strides = r.k.st;
+  p.v_strides = r.v.st;
+  p.out_strides = r.out.st;
+  p.dout_strides = r.dout.st;
+  p.dq_strides = r.dq.st;
+  p.dk_strides = r.dk.st;
+  p.dv_strides = r.dv.st;
+  p.lse_head_stride = c.Tq;
+  p.lse_batch_stride = c.H * c.Tq;
+  p.q_lengths = c.q_lens.empty() ? nullptr : c.q_lens.data();
+  p.kv_lengths = c.kv_lens.empty() ? nullptr : c.kv_lens.data();
+  p.causal = c.causal;
+  p.causal_offset = c.offsets.empty() ? nullptr : c.offsets.data();
+  p.scale = scale_of(c);
+  p.dropout_p = c.p;
+  p.dropout_broadcast = c.broadcast;
+  p.seed = c.seed;
+  p.rng_offset = c.rng_offset;
+  return r;
+}
+
+double lse_at(const KernelRun& r, const Case& c, int64_t i) {
+  if (c.dtype == ElementType::float64) {
+    double d;
+    std::memcpy(&d, r.lse.data() + i * 8, 8);
+    return d;
+  }
+  float f;
+  std::memcpy(&f, r.lse.data() + i * 4, 4);
+  return f;
+}
+
+// Max abs error of a view against a reference array, relative to the
+// reference's scale where values are large; NaN anywhere fails.
+::testing::AssertionResult close(const char* what, const View& got, const Array4& want, double tol) {
+  double scale = 1.0;
+  for (double x : want.v) scale = std::max(scale, std::abs(x));
+  double worst = 0;
+  int64_t wi[4] = {0, 0, 0, 0};
+  for (int64_t a = 0; a < want.n[0]; ++a)
+    for (int64_t b = 0; b < want.n[1]; ++b)
+      for (int64_t c = 0; c < want.n[2]; ++c)
+        for (int64_t d = 0; d < want.n[3]; ++d) {
+          const double g = got.buf->get(got.at(a, b, c, d));
+          const double e = std::isnan(g) ? kInf : std::abs(g - want(a, b, c, d));
+          if (e > worst) {
+            worst = e;
+            wi[0] = a, wi[1] = b, wi[2] = c, wi[3] = d;
+          }
+        }
+  if (worst <= tol * scale) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": max abs error " << worst << " > " << tol << " * " << scale
+                                       << " at [" << wi[0] << ", " << wi[1] << ", " << wi[2] << ", " << wi[3]
+                                       << "]: got " << got.buf->get(got.at(wi[0], wi[1], wi[2], wi[3])) << ", want "
+                                       << want(wi[0], wi[1], wi[2], wi[3]);
+}
+
+std::vector<CpuIsa> isas() {
+  std::vector<CpuIsa> r{CpuIsa::generic};
+  if (cpu_flash_best_isa() == CpuIsa::avx2) r.push_back(CpuIsa::avx2);
+  return r;
+}
+
+void check_case(const Case& c, bool backward = true) {
+  const Inputs in = make_inputs(c);
+  const Reference ref = reference(c, in);
+  ThreadPool pool(2);
+  for (CpuIsa isa : isas()) {
+    SCOPED_TRACE(c.name + " isa=" + cpu_isa_name(isa) + " dtype=" + element_type_name(c.dtype));
+    KernelRun r = prepare(c, in);
+    flash_attention_forward_cpu(r.p, pool.as_parallel_for(), isa);
+    const double ft = fwd_tol(c.dtype);
+    EXPECT_TRUE(close("out", r.out, ref.out, ft));
+    for (int64_t i = 0; i < c.B * c.H * c.Tq; ++i) {
+      const double want = ref.lse.v[i], got = lse_at(r, c, i);
+      if (want == -kInf) {
+        EXPECT_EQ(got, -kInf) << "lse row " << i;
+      } else {
+        EXPECT_NEAR(got, want, ft * std::max(1.0, std::abs(want))) << "lse row " << i;
+      }
+    }
+    if (!backward) continue;
+    // bfloat16's backward pass reads the forward's rounded output, as in
+    // training; its gradients are still compared with the float64 reference.
+    flash_attention_backward_cpu(r.p, pool.as_parallel_for(), isa);
+    const double bt = bwd_tol(c.dtype);
+    EXPECT_TRUE(close("dq", r.dq, ref.dq, bt));
+    EXPECT_TRUE(close("dk", r.dk, ref.dk, bt));
+    EXPECT_TRUE(close("dv", r.dv, ref.dv, bt));
+  }
+}
+
+Case base(const std::string& name, ElementType t = ElementType::float32) {
+  Case c;
+  c.name = name;
+  c.dtype = t;
+  return c;
+}
+
+const ElementType kAllTypes[] = {ElementType::float32, ElementType::float64, ElementType::bfloat16};
+
+// ---------------------------------------------------------------------------
+
+TEST(CpuFlash, SelfAttention) {
+  for (ElementType t : kAllTypes) {
+    Case c = base("self", t);
+    c.B = 2, c.H = 3, c.Hkv = 3, c.Tq = c.Tk = 37, c.D = c.Dv = 16;
+    check_case(c);
+  }
+}
+
+TEST(CpuFlash, CrossAttention) {
+  for (ElementType t : kAllTypes) {
+    Case c = base("cross", t);
+    c.B = 2, c.H = 2, c.Hkv = 2, c.Tq = 19, c.Tk = 147, c.D = 24, c.Dv = 40;
+    check_case(c);
+  }
+}
+
+TEST(CpuFlash, CausalSelfAcrossTiles) {
+  for (int64_t d : {64, 128}) {
+    Case c = base("causal D=" + std::to_string(d));
+    c.B = 1, c.H = 2, c.Hkv = 2, c.Tq = c.Tk = 200, c.D = c.Dv = d, c.causal = true;
+    check_case(c);
+  }
+}
+
+TEST(CpuFlash, CausalWithOffsets) {
+  for (ElementType t : kAllTypes) {
+    // Chunks appended to a kv history of 70, 5 and -3 positions: the negative
+    // offset leaves the first three rows with nothing to attend.
+    Case c = base("causal offsets", t);
+    c.B = 3, c.H = 2, c.Hkv = 1, c.Tq = 20, c.Tk = 90, c.D = c.Dv = 8, c.causal = true;
+    c.offsets = {70, 5, -3};
+    check_case(c);
+  }
+}
+
+TEST(CpuFlash, CausalOffsetsEmptyRowsAndHugeOffsets) {
+  Case c = base("causal offsets empty rows");
+  c.B = 4, c.H = 1, c.Tq = 70, c.Tk = 70, c.D = c.Dv = 8, c.causal = true;
+  c.offsets = {-10, -1000, 1000, std::numeric_limits<int64_t>::min() / 2};
+  check_case(c);
+}
+
+TEST(CpuFlash, KvLengthsIncludingZeroAndOne) {
+  for (bool causal : {false, true}) {
+    Case c = base(std::string("kv lengths") + (causal ? " causal" : ""));
+    c.B = 4, c.H = 2, c.Hkv = 2, c.Tq = 33, c.Tk = 200, c.D = c.Dv = 16, c.causal = causal;
+    c.kv_lens = {0, 1, 50, 200};
+    if (causal) c.offsets = {0, 0, 30, 167};
+    check_case(c);
+  }
+}
+
+TEST(CpuFlash, QueryLengths) {
+  Case c = base("q lengths");
+  c.B = 3, c.H = 2, c.Tq = 40, c.Tk = 40, c.D = c.Dv = 8, c.causal = true;
+  c.q_lens = {3, 0, 40};
+  c.kv_lens = {40, 10, 25};
+  check_case(c);
+}
+
+TEST(CpuFlash, GroupedQueryAttention) {
+  for (ElementType t : kAllTypes) {
+    Case c = base("gqa", t);
+    c.B = 2, c.H = 8, c.Hkv = 2, c.Tq = c.Tk = 45, c.D = c.Dv = 16, c.causal = true;
+    check_case(c);
+  }
+}
+
+TEST(CpuFlash, MultiQueryAttention) {
+  Case c = base("mqa");
+  c.B = 2, c.H = 4, c.Hkv = 1, c.Tq = 30, c.Tk = 70, c.D = 32, c.Dv = 16;
+  c.kv_lens = {70, 33};
+  check_case(c);
+}
+
+TEST(CpuFlash, OddHeadDims) {
+  for (ElementType t : kAllTypes) {
+    Case c = base("D=5 Dv=3", t);
+    c.B = 2, c.H = 2, c.Hkv = 1, c.Tq = 13, c.Tk = 29, c.D = 5, c.Dv = 3, c.causal = true, c.offsets = {16, 2};
+    check_case(c);
+  }
+}
+
+TEST(CpuFlash, HeadDims64And128) {
+  for (ElementType t : kAllTypes)
+    for (int64_t d : {64, 128}) {
+      Case c = base("D=" + std::to_string(d), t);
+      c.B = 1, c.H = 2, c.Hkv = 2, c.Tq = 70, c.Tk = 150, c.D = c.Dv = d;
+      check_case(c);
+    }
+}
+
+TEST(CpuFlash, SingleStep) {
+  for (ElementType t : kAllTypes) {
+    Case c = base("T=1", t);
+    c.B = 2, c.H = 2, c.Hkv = 2, c.Tq = 1, c.Tk = 1, c.D = c.Dv = 8;
+    check_case(c);
+    c.name = "decode";  // one query against a long history
+    c.Tk = 300, c.causal = true, c.offsets = {299, 150};
+    check_case(c);
+  }
+}
+
+TEST(CpuFlash, Dropout) {
+  // float64 at 1e-10: a single mask bit differing from the naive reference's
+  // (same Philox function) would be off by a whole weight.
+  for (ElementType t : kAllTypes) {
+    Case c = base("dropout", t);
+    c.B = 2, c.H = 3, c.Hkv = 1, c.Tq = 37, c.Tk = 150, c.D = c.Dv = 16, c.causal = true, c.offsets = {113, 50};
+    c.p = 0.3;
+    check_case(c);
+  }
+}
+
+TEST(CpuFlash, BroadcastDropout) {
+  for (ElementType t : {ElementType::float32, ElementType::float64}) {
+    Case c = base("broadcast dropout", t);
+    c.B = 2, c.H = 2, c.Hkv = 2, c.Tq = 21, c.Tk = 133, c.D = c.Dv = 8, c.p = 0.4, c.broadcast = true;
+    c.kv_lens = {133, 90};
+    check_case(c);
+  }
+}
+
+TEST(CpuFlash, DropoutOneDropsEverything) {
+  Case c = base("p=1", ElementType::float64);
+  c.B = 1, c.H = 2, c.Tq = 9, c.Tk = 17, c.D = c.Dv = 4, c.p = 1.0;
+  check_case(c);
+}
+
+TEST(CpuFlash, DropoutMaskIsPhiloxContract) {
+  // The kept fraction matches p, and the kernel's output equals the naive
+  // reference built from dropout_uniform element by element (check_case).
+  Case c = base("dropout contract", ElementType::float64);
+  c.B = 1, c.H = 1, c.Tq = 64, c.Tk = 256, c.D = c.Dv = 4, c.p = 0.25;
+  int64_t kept = 0;
+  for (int64_t i = 0; i < c.Tq; ++i)
+    for (int64_t j = 0; j < c.Tk; ++j) kept += keep(c, 0, 0, i, j);
+  EXPECT_NEAR(static_cast<double>(kept) / (c.Tq * c.Tk), 0.75, 0.02);
+  check_case(c);
+}
+
+TEST(CpuFlash, StridedViews) {
+  for (Layout layout : {Layout::bthd, Layout::padded, Layout::packed}) {
+    for (ElementType t : kAllTypes) {
+      Case c = base("layout " + std::to_string(static_cast<int>(layout)), t);
+      c.B = 2, c.H = 4, c.Hkv = 2, c.Tq = c.Tk = 41, c.D = c.Dv = 16, c.causal = true;
+      c.layout = layout;
+      check_case(c);
+    }
+  }
+}
+
+TEST(CpuFlash, PackedQkvIsZeroCopy) {
+  // q, k and v point into one buffer: the kernel reads them in place.
+  Case c = base("packed");
+  c.B = 2, c.H = 8, c.Hkv = 2, c.Tq = c.Tk = 20, c.D = c.Dv = 8, c.layout = Layout::packed;
+  const Inputs in = make_inputs(c);
+  KernelRun r = prepare(c, in);
+  EXPECT_EQ(r.q.buf, r.k.buf);
+  EXPECT_EQ(static_cast<const unsigned char*>(r.p.k) - static_cast<const unsigned char*>(r.p.q),
+            static_cast<ptrdiff_t>(c.H * c.D * 4));
+  check_case(c);
+}
+
+TEST(CpuFlash, MultiChunkBackward) {
+  // Few (batch, kv head) groups and a long kv axis: the backward pass splits
+  // the kv axis into chunks and sums their dQ shares in a second pass.
+  for (bool causal : {false, true}) {
+    Case c = base(std::string("kv chunks") + (causal ? " causal" : ""));
+    c.B = 1, c.H = 2, c.Hkv = 1, c.Tq = 90, c.Tk = 700, c.D = c.Dv = 16, c.causal = causal, c.offsets = {610};
+    c.p = 0.1;
+    check_case(c);
+  }
+}
+
+TEST(CpuFlash, ExplicitScale) {
+  Case c = base("scale", ElementType::float64);
+  c.B = 1, c.H = 1, c.Tq = 10, c.Tk = 12, c.D = c.Dv = 6, c.scale = 0.77;
+  check_case(c);
+}
+
+TEST(CpuFlash, EmptySizes) {
+  {
+    Case c = base("B=0");
+    c.B = 0, c.Tq = c.Tk = 5;
+    check_case(c);
+  }
+  {
+    Case c = base("Tq=0");
+    c.B = 2, c.Tq = 0, c.Tk = 5;
+    check_case(c);
+  }
+  {
+    // No kv positions: every row attends nothing.
+    Case c = base("Tk=0");
+    c.B = 2, c.H = 2, c.Tq = 5, c.Tk = 0;
+    check_case(c);
+  }
+}
+
+TEST(CpuFlash, NanInputPropagatesToItsRowOnly) {
+  // A NaN score must not be mistaken for a masked one (0 weight): the row's
+  // output is NaN, as the reference path's softmax gives; other rows are intact.
+  for (ElementType t : {ElementType::float32, ElementType::bfloat16}) {
+    Case c = base("nan", t);
+    c.B = 1, c.H = 1, c.Tq = 4, c.Tk = 20, c.D = c.Dv = 8;
+    const Inputs in = make_inputs(c);
+    for (CpuIsa isa : isas()) {
+      SCOPED_TRACE(cpu_isa_name(isa));
+      KernelRun r = prepare(c, in);
+      r.q.buf->set(r.q.at(0, 0, 2, 3), std::numeric_limits<double>::quiet_NaN());
+      flash_attention_forward_cpu(r.p, serial_parallel_for(), isa);
+      for (int64_t i = 0; i < c.Tq; ++i)
+        for (int64_t e = 0; e < c.Dv; ++e)
+          EXPECT_EQ(std::isnan(r.out.buf->get(r.out.at(0, 0, i, e))), i == 2) << "row " << i << " col " << e;
+    }
+  }
+}
+
+// Bitwise equal results with 1, 2 and 3 threads and the serial loop, for the
+// forward pass and both backward schedules (one chunk, several chunks).
+TEST(CpuFlash, DeterministicAcrossThreadCounts) {
+  std::vector<Case> cases;
+  {
+    Case c = base("det one chunk");
+    c.B = 2, c.H = 8, c.Hkv = 8, c.Tq = 150, c.Tk = 150, c.D = c.Dv = 32, c.causal = true, c.p = 0.2;
+    cases.push_back(c);
+  }
+  {
+    Case c = base("det chunks gqa");
+    c.B = 1, c.H = 4, c.Hkv = 2, c.Tq = 100, c.Tk = 640, c.D = c.Dv = 16, c.causal = true, c.offsets = {540};
+    c.p = 0.1;
+    cases.push_back(c);
+  }
+  {
+    Case c = base("det bf16", ElementType::bfloat16);
+    c.B = 3, c.H = 2, c.Hkv = 1, c.Tq = 77, c.Tk = 300, c.D = c.Dv = 64, c.kv_lens = {300, 10, 170};
+    cases.push_back(c);
+  }
+  for (const Case& c : cases) {
+    const Inputs in = make_inputs(c);
+    for (CpuIsa isa : isas()) {
+      SCOPED_TRACE(c.name + " isa=" + cpu_isa_name(isa));
+      std::vector<KernelRun> runs;
+      for (int threads : {0, 1, 2, 3}) {
+        KernelRun r = prepare(c, in);
+        ThreadPool pool(std::max(threads, 1));
+        const ParallelFor pf = threads == 0 ? serial_parallel_for() : pool.as_parallel_for();
+        flash_attention_forward_cpu(r.p, pf, isa);
+        flash_attention_backward_cpu(r.p, pf, isa);
+        runs.push_back(std::move(r));
+      }
+      for (size_t i = 1; i < runs.size(); ++i) {
+        EXPECT_EQ(runs[i].lse, runs[0].lse) << "lse, run " << i;
+        for (size_t b = 0; b < runs[0].buffers.size(); ++b)
+          EXPECT_TRUE(runs[i].buffers[b].bytes == runs[0].buffers[b].bytes) << "buffer " << b << ", run " << i;
+      }
+    }
+  }
+}
+
+// The backward kernel is the gradient of the forward kernel: central finite
+// differences of L = sum(dout * out) in float64, dropout and masks included.
+TEST(CpuFlash, FiniteDifferences) {
+  Case c = base("finite differences", ElementType::float64);
+  c.B = 2, c.H = 2, c.Hkv = 1, c.Tq = 5, c.Tk = 7, c.D = 3, c.Dv = 2, c.causal = true, c.offsets = {2, -1};
+  c.kv_lens = {7, 4};
+  c.p = 0.2;
+  const Inputs in = make_inputs(c);
+  for (CpuIsa isa : isas()) {
+    SCOPED_TRACE(cpu_isa_name(isa));
+    const ParallelFor pf = serial_parallel_for();
+    KernelRun r = prepare(c, in);
+    flash_attention_forward_cpu(r.p, pf, isa);
+    flash_attention_backward_cpu(r.p, pf, isa);
+    auto loss = [&](const Inputs& x) {
+      KernelRun t = prepare(c, x);
+      flash_attention_forward_cpu(t.p, pf, isa);
+      double l = 0;
+      for (int64_t b = 0; b < c.B; ++b)
+        for (int64_t h = 0; h < c.H; ++h)
+          for (int64_t i = 0; i < c.Tq; ++i)
+            for (int64_t e = 0; e < c.Dv; ++e) l += x.dout(b, h, i, e) * t.out.buf->get(t.out.at(b, h, i, e));
+      return l;
+    };
+    const double eps = 1e-6;
+    auto check_grad = [&](const char* name, Array4 Inputs::*member, const View& grad) {
+      Inputs x = in;
+      Array4& a = x.*member;
+      double worst = 0;
+      for (size_t idx = 0; idx < a.v.size(); ++idx) {
+        const double orig = a.v[idx];
+        a.v[idx] = orig + eps;
+        const double up = loss(x);
+        a.v[idx] = orig - eps;
+        const double down = loss(x);
+        a.v[idx] = orig;
+        const double numeric = (up - down) / (2 * eps);
+        int64_t rem = static_cast<int64_t>(idx);
+        const int64_t d3 = rem % a.n[3];
+        rem /= a.n[3];
+        const int64_t d2 = rem % a.n[2];
+        rem /= a.n[2];
+        const int64_t d1 = rem % a.n[1];
+        const int64_t d0 = rem / a.n[1];
+        worst = std::max(worst, std::abs(numeric - grad.buf->get(grad.at(d0, d1, d2, d3))));
+      }
+      EXPECT_LT(worst, 1e-7) << name;
+    };
+    check_grad("dq", &Inputs::q, r.dq);
+    check_grad("dk", &Inputs::k, r.dk);
+    check_grad("dv", &Inputs::v, r.dv);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Contracts a caller can get wrong.
+
+AttentionKernelParams valid_params(std::vector<float>& storage) {
+  storage.assign(256, 0.5f);
+  AttentionKernelParams p;
+  p.dtype = ElementType::float32;
+  p.batch = 1, p.heads = 2, p.kv_heads = 2, p.seqlen_q = 3, p.seqlen_k = 3, p.head_dim = 8, p.head_dim_v = 8;
+  const ElementStrides st{2 * 3 * 8, 3 * 8, 8, 1};
+  p.q = p.k = p.v = p.dout = storage.data();
+  p.out = p.dq = storage.data() + 48;
+  p.dk = storage.data() + 96;
+  p.dv = storage.data() + 144;
+  p.q_strides = p.k_strides = p.v_strides = p.out_strides = p.dout_strides = p.dq_strides = p.dk_strides =
+      p.dv_strides = st;
+  p.lse = storage.data() + 192;  // 6 floats
+  p.lse_batch_stride = 6, p.lse_head_stride = 3;
+  return p;
+}
+
+void expect_rejected(const AttentionKernelParams& p, bool backward, const std::string& fragment) {
+  const std::string err = backward ? p.validate(true) : p.validate(false);
+  const std::string host = p.validate_host_arrays();
+  EXPECT_NE((err + host).find(fragment), std::string::npos) << "validate: '" << err << "' host: '" << host << "'";
+  try {
+    if (backward)
+      flash_attention_backward_cpu(p, serial_parallel_for());
+    else
+      flash_attention_forward_cpu(p, serial_parallel_for());
+    ADD_FAILURE() << "no exception for " << fragment;
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("[cpu_flash]"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+  }
+}
+
+TEST(CpuFlashParams, ValidParamsPass) {
+  std::vector<float> s;
+  const AttentionKernelParams p = valid_params(s);
+  EXPECT_EQ(p.validate(false), "");
+  EXPECT_EQ(p.validate(true), "");
+  EXPECT_EQ(p.validate_host_arrays(), "");
+}
+
+TEST(CpuFlashParams, RejectsWhatCallersGetWrong) {
+  std::vector<float> s;
+  {
+    AttentionKernelParams p = valid_params(s);
+    p.heads = 3;
+    expect_rejected(p, false, "not a multiple of kv_heads");
+  }
+  {
+    AttentionKernelParams p = valid_params(s);
+    p.kv_heads = 0;
+    expect_rejected(p, false, "kv_heads must be >= 1");
+  }
+  {
+    AttentionKernelParams p = valid_params(s);
+    p.k_strides.last = 2;
+    expect_rejected(p, false, "k needs a contiguous last dim");
+  }
+  {
+    AttentionKernelParams p = valid_params(s);
+    p.v = nullptr;
+    expect_rejected(p, false, "v is null");
+  }
+  {
+    AttentionKernelParams p = valid_params(s);
+    p.dk = nullptr;
+    expect_rejected(p, true, "dk is null");
+  }
+  {
+    AttentionKernelParams p = valid_params(s);
+    p.lse = nullptr;
+    expect_rejected(p, true, "lse (from the forward pass) is required");
+  }
+  {
+    AttentionKernelParams p = valid_params(s);
+    p.seqlen_k = -1;
+    expect_rejected(p, false, "sizes must be >= 0");
+  }
+  {
+    AttentionKernelParams p = valid_params(s);
+    p.dropout_p = 1.5;
+    expect_rejected(p, false, "dropout_p must be in [0, 1]");
+  }
+  {
+    AttentionKernelParams p = valid_params(s);
+    p.dropout_p = std::nan("");
+    expect_rejected(p, false, "dropout_p must be in [0, 1]");
+  }
+  {
+    AttentionKernelParams p = valid_params(s);
+    p.scale = kInf;
+    expect_rejected(p, false, "scale must be finite");
+  }
+  {
+    AttentionKernelParams p = valid_params(s);
+    p.out_strides.row = 4;  // rows of 8 elements 4 apart: overlapping writes
+    expect_rejected(p, false, "overlapping strides");
+  }
+  {
+    AttentionKernelParams p = valid_params(s);
+    p.q_strides.head = -24;
+    expect_rejected(p, false, "negative stride");
+  }
+  {
+    AttentionKernelParams p = valid_params(s);
+    const int64_t lens[1] = {4};
+    p.kv_lengths = lens;
+    expect_rejected(p, false, "kv_lengths[0] = 4 is outside [0, seqlen_k=3]");
+  }
+  {
+    AttentionKernelParams p = valid_params(s);
+    const int64_t lens[1] = {-1};
+    p.q_lengths = lens;
+    expect_rejected(p, false, "q_lengths[0] = -1");
+  }
+  {
+    AttentionKernelParams p = valid_params(s);
+    p.dtype = static_cast<ElementType>(9);
+    expect_rejected(p, false, "unsupported element type");
+  }
+}
+
+TEST(CpuFlashParams, BroadcastInputsWithZeroStridesAreAccepted) {
+  // MQA expressed as k, v expanded over heads (head stride 0) is a valid input.
+  std::vector<float> s;
+  AttentionKernelParams p = valid_params(s);
+  p.k_strides.head = 0;
+  p.v_strides.head = 0;
+  EXPECT_EQ(p.validate(true), "");
+}
+
+TEST(CpuFlashThreadPool, CoversRangeOnceAndPropagatesExceptions) {
+  ThreadPool pool(3);
+  EXPECT_EQ(pool.num_threads(), 3);
+  std::vector<int> hits(1000, 0);
+  pool.parallel_for(0, 1000, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) ++hits[i];
+  });
+  EXPECT_EQ(std::count(hits.begin(), hits.end(), 1), 1000);
+  EXPECT_THROW(pool.parallel_for(0, 100,
+                                 [](int64_t b, int64_t) {
+                                   if (b >= 50) throw std::runtime_error("boom");
+                                 }),
+               std::runtime_error);
+  // Nested loops run serially instead of deadlocking.
+  std::atomic<int> total{0};
+  pool.parallel_for(0, 4, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) pool.parallel_for(0, 10, [&](int64_t x, int64_t y) { total += int(y - x); });
+  });
+  EXPECT_EQ(total.load(), 40);
+}
+
+}  // namespace
+}  // namespace dimattn::kernels
