@@ -110,6 +110,15 @@ void prepare(Prepared& pr, const AttentionCall& c, const FlashLayout& l, const H
   p.rng_offset = static_cast<uint32_t>(c.dropout_offset);
 }
 
+// out and lse: written by the forward pass, read by the backward pass.
+void set_forward_outputs(kernels::AttentionKernelParams& p, const HostView& out, const HostView& lse) {
+  p.out = out.data;
+  p.out_strides = strides4(out);
+  p.lse = lse.data;
+  p.lse_batch_stride = lse.strides[0];
+  p.lse_head_stride = lse.strides[1];
+}
+
 template <class F>
 void run_kernel(F&& f) {
   try {
@@ -203,11 +212,7 @@ FlashForward flash_forward(Backend& be, const AttentionCall& c, const FlashLayou
   const HostView out = host(be, f.out), lse = host(be, f.lse);
   Prepared pr;
   prepare(pr, c, l, q, k, v);
-  pr.p.out = out.data;
-  pr.p.out_strides = strides4(out);
-  pr.p.lse = lse.data;
-  pr.p.lse_batch_stride = lse.strides[0];
-  pr.p.lse_head_stride = lse.strides[1];
+  set_forward_outputs(pr.p, out, lse);
   run_kernel([&] { kernels::flash_attention_forward_cpu(pr.p, pf); });
   return f;
 }
@@ -222,11 +227,7 @@ FlashInputs flash_backward(Backend& be, const AttentionCall& c, const FlashLayou
   const HostView dq = host(be, g.q), dk = host(be, g.k), dv = host(be, g.v);
   Prepared pr;
   prepare(pr, c, l, q, k, v);
-  pr.p.out = out.data;
-  pr.p.out_strides = strides4(out);
-  pr.p.lse = lse.data;
-  pr.p.lse_batch_stride = lse.strides[0];
-  pr.p.lse_head_stride = lse.strides[1];
+  set_forward_outputs(pr.p, out, lse);
   pr.p.dout = d.data;
   pr.p.dout_strides = strides4(d);
   pr.p.dq = dq.data;
