@@ -182,7 +182,8 @@ inline std::string AttentionKernelParams::validate(bool backward) const {
   if (heads % kv_heads != 0)
     return op + "heads=" + std::to_string(heads) + " is not a multiple of kv_heads=" + std::to_string(kv_heads) +
            " (grouped-query attention shares each kv head among heads / kv_heads query heads)";
-  if (!(dropout_p >= 0.0 && dropout_p <= 1.0)) return op + "dropout_p must be in [0, 1], got " + std::to_string(dropout_p);
+  if (!(dropout_p >= 0.0 && dropout_p <= 1.0))
+    return op + "dropout_p must be in [0, 1], got " + std::to_string(dropout_p);
   if (!std::isfinite(scale)) return op + "scale must be finite, got " + std::to_string(scale);
 
   struct T {

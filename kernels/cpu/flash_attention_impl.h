@@ -536,6 +536,55 @@ void mul_rows(T* s, const T* z, int64_t n) {
   for (int64_t j = 0; j < n; j += S::W) vstore(s + j, vload<V>(s + j) * vload<V>(z + j));
 }
 
+// Few query rows (decoding): S[r][c] = qs[r] . k[c] read straight from k's
+// rows, vectorized along the head dim, instead of packing k transposed for
+// a product too small to pay for the packing. KR kv rows per step keep
+// M x KR accumulators in registers.
+template <int M, class A>
+void scores_direct(int64_t n, int64_t D, const A* qs, const A* k, int64_t krs, A* s, int64_t lds) {
+  using V = typename Simd<A>::V;
+  constexpr int W = Simd<A>::W, KR = M == 1 ? 8 : 12 / M;
+  const int64_t dv = D / W * W;
+  auto hsum = [](const V& x) {
+    A r = x[0];
+    for (int l = 1; l < W; ++l) r += x[l];
+    return r;
+  };
+  int64_t c = 0;
+  auto step = [&](auto kr_tag) {
+    constexpr int R = decltype(kr_tag)::value;
+    V acc[M][R];
+    for (int r = 0; r < M; ++r)
+      for (int t = 0; t < R; ++t) acc[r][t] = V{};
+    for (int64_t d = 0; d < dv; d += W) {
+      V kv[R];
+      for (int t = 0; t < R; ++t) kv[t] = vload<V>(k + (c + t) * krs + d);
+      for (int r = 0; r < M; ++r) {
+        const V qv = vload<V>(qs + r * D + d);
+        for (int t = 0; t < R; ++t) acc[r][t] = vfma(qv, kv[t], acc[r][t]);
+      }
+    }
+    for (int r = 0; r < M; ++r)
+      for (int t = 0; t < R; ++t) {
+        A x = hsum(acc[r][t]);
+        for (int64_t d = dv; d < D; ++d) x += qs[r * D + d] * k[(c + t) * krs + d];
+        s[r * lds + c + t] = x;
+      }
+  };
+  for (; c + KR <= n; c += KR) step(std::integral_constant<int, KR>{});
+  for (; c < n; ++c) step(std::integral_constant<int, 1>{});
+}
+
+template <class A>
+void scores_direct_rows(int64_t m, int64_t n, int64_t D, const A* qs, const A* k, int64_t krs, A* s, int64_t lds) {
+  switch (m) {
+    case 1: scores_direct<1>(n, D, qs, k, krs, s, lds); break;
+    case 2: scores_direct<2>(n, D, qs, k, krs, s, lds); break;
+    case 3: scores_direct<3>(n, D, qs, k, krs, s, lds); break;
+    default: scores_direct<4>(n, D, qs, k, krs, s, lds); break;
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Forward.
 
@@ -556,7 +605,11 @@ struct ForwardScratch {
   Arena<A> arena;
   std::vector<int64_t> nv;  // per row: valid positions of the current tile
 
-  static int64_t slots_for(const AttentionKernelParams& p, int64_t bk, int64_t ldk, int64_t dvp) {
+  static int64_t slots_for(const AttentionKernelParams& p, int64_t bq, int64_t bk, int64_t ldk, int64_t dvp) {
+    // A kv head's tiles are read again only by its next query block or by
+    // another query head of its group; without either, one slot that stays
+    // in L1/L2 beats a buffer that spills to L3.
+    if (p.seqlen_q <= bq && p.group_size() == 1) return 1;
     const int64_t tiles = std::max<int64_t>(1, (p.seqlen_k + bk - 1) / bk);
     const int64_t bytes =
         tiles * (p.head_dim * ldk + bk * round_up(dvp, 2 * Simd<A>::W)) * static_cast<int64_t>(sizeof(A));
@@ -569,7 +622,7 @@ struct ForwardScratch {
         dvp(round_up(std::max<int64_t>(p.head_dim_v, 1), Simd<A>::W)),
         D(p.head_dim),
         vslot(bk * round_up(dvp, 2 * Simd<A>::W)),
-        slots(slots_for(p, bk, ldk, dvp)),
+        slots(slots_for(p, bq, bk, ldk, dvp)),
         arena(Arena<A>::need({bq * p.head_dim, slots * p.head_dim * ldk, slots * vslot, bq * ldk, bq * dvp, bq, bq,
                               ldk})) {
     qs = arena.take(bq * p.head_dim);
@@ -641,11 +694,13 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
   fill(w.o, m * dvp, A(0));
   const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
 
+  // Few rows of float32 (decoding): read k and v rows in place, no packing.
+  // v's rows are the product's B operand as they are, so their padded width
+  // must stay inside each row: Dv a multiple of the vector width.
+  const bool direct = std::is_same_v<S, A> && m <= 4 && Dv % W == 0;
+
   for (int64_t j0 = 0; j0 < kv_end; j0 += w.bk) {
     const int64_t n = std::min(w.bk, kv_end - j0), np = round_up(n, W);
-    const int64_t slot = w.tile(k, krs, v, vrs, Dv, lim.kv_len, b, hk, j0 / w.bk);
-    const A* kt = w.kt + slot * D * ldk;
-    const A* vs = w.vs + slot * w.vslot;
     // Rows attend a prefix of the tile; only tiles crossing a row's limit
     // (causal diagonal) mask, and there the products skip the blocks past
     // every row's prefix.
@@ -655,14 +710,25 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
       for (int64_t r = 0; r < m; ++r) w.nv[r] = std::clamp<int64_t>(lim.limit(r0 + r) - j0, 0, n);
       nvs = w.nv.data();
     }
-    gemm_set(m, np, D, w.qs, D, panel_major(kt, D), w.s, ldk, Ragged{nvs, nullptr, nullptr});
+    BMat<A> vmat;
+    if constexpr (std::is_same_v<S, A>) {
+      if (direct) {
+        scores_direct_rows(m, n, D, w.qs, k + j0 * krs, krs, w.s, ldk);
+        vmat = row_major(v + j0 * vrs, vrs);
+      }
+    }
+    if (!direct) {
+      const int64_t slot = w.tile(k, krs, v, vrs, Dv, lim.kv_len, b, hk, j0 / w.bk);
+      gemm_set(m, np, D, w.qs, D, panel_major(w.kt + slot * D * ldk, D), w.s, ldk, Ragged{nvs, nullptr, nullptr});
+      vmat = panel_major(w.vs + slot * w.vslot, w.bk);
+    }
 
     const bool row_dropout = drop.on && !drop.broadcast;
     if (drop.on && drop.broadcast) {
       drop.broadcast_factors(j0, n, A(1), w.z);
       fill(w.z + n, np - n, A(0));
     }
-    const int64_t next = j0 + w.bk < kv_end ? w.ready(j0 / w.bk + 1) : -1;
+    const int64_t next = !direct && j0 + w.bk < kv_end ? w.ready(j0 / w.bk + 1) : -1;
     for (int64_t r = 0; r < m; ++r) {
       if (next >= 0) {
         prefetch_part(w.kt + next * D * ldk, D * ldk * static_cast<int64_t>(sizeof(A)), r, m);
@@ -692,7 +758,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
         mul_rows(srow, w.z, npr);
       }
     }
-    gemm_add(m, dvp, n, w.s, ldk, panel_major(vs, w.bk), w.o, dvp, Ragged{nullptr, nullptr, nvs});
+    gemm_add(m, dvp, n, w.s, ldk, vmat, w.o, dvp, Ragged{nullptr, nullptr, nvs});
   }
 
   for (int64_t r = 0; r < m; ++r) {
@@ -749,7 +815,8 @@ BackwardPlan plan_backward(const AttentionKernelParams& p) {
   const int64_t share_bytes = p.batch * p.heads * p.seqlen_q *
                               round_up(std::max<int64_t>(p.head_dim, 1), Simd<A>::W) *
                               static_cast<int64_t>(sizeof(A));
-  if (share_bytes > 0) chunks = std::min(chunks, std::max<int64_t>(1, cpu_flash::bwd_max_partial_bytes() / share_bytes));
+  if (share_bytes > 0)
+    chunks = std::min(chunks, std::max<int64_t>(1, cpu_flash::bwd_max_partial_bytes() / share_bytes));
   const int64_t tiles_per_chunk = (tiles + chunks - 1) / chunks;
   plan.chunks = (tiles + tiles_per_chunk - 1) / tiles_per_chunk;
   plan.chunk_len = tiles_per_chunk * plan.bk;
@@ -768,8 +835,8 @@ struct BackwardScratch {
         ldk(round_up(plan.bk, Simd<A>::W)),
         arena(Arena<A>::need({p.seqlen_q * dp, p.seqlen_q * dvp, p.seqlen_q, p.seqlen_q,
                               plan.chunks == 1 ? p.seqlen_q * dp : 0, plan.chunk_len * dp, plan.chunk_len * dvp,
-                              p.head_dim * ldk, plan.bk * round_up(dp, 2 * Simd<A>::W), p.head_dim_v * ldk, plan.bq * ldk, plan.bq * ldk,
-                              plan.bq * ldk, plan.bq * ldk})) {
+                              p.head_dim * ldk, plan.bk * round_up(dp, 2 * Simd<A>::W), p.head_dim_v * ldk,
+                              plan.bq * ldk, plan.bq * ldk, plan.bq * ldk, plan.bq * ldk})) {
     qf = arena.take(p.seqlen_q * dp);
     dof = arena.take(p.seqlen_q * dvp);
     lse2 = arena.take(p.seqlen_q);

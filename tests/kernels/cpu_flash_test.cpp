@@ -560,6 +560,20 @@ TEST(CpuFlash, SingleStep) {
   }
 }
 
+TEST(CpuFlash, FewQueryRowsReadKvInPlace) {
+  // <= 4 float32 query rows take the path that reads k and v rows in place
+  // (no packing); a head dim that is not a whole number of vectors exercises
+  // its scalar tail.
+  for (int64_t tq : {1, 3, 4, 5}) {
+    Case c = base("few rows Tq=" + std::to_string(tq));
+    c.B = 2, c.H = 2, c.Hkv = 2, c.Tq = tq, c.Tk = 301, c.D = 12, c.Dv = 16, c.causal = true;
+    c.offsets = {290, 100};
+    c.kv_lens = {301, 77};
+    c.p = 0.2;
+    check_case(c);
+  }
+}
+
 TEST(CpuFlash, Dropout) {
   // float64 at 1e-10: a single mask bit differing from the naive reference's
   // (same Philox function) would be off by a whole weight.
