@@ -38,32 +38,32 @@ std::string same_name_hint(const Tensor& x, const Dim& d, const char* which) {
 void validate(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& o) {
   common_backend(kOp, {&query, &keys, &values});
   check_same_dtype(kOp, {&query, &keys, &values});
-  check(is_floating(query.dtype()), kOp, "needs floating query, keys and values; got ", query.repr());
-  check(o.key_dim != o.axis, kOp, "key_dim and axis are the same dim ", o.axis.repr());
-  check(query.has(o.key_dim), kOp, "key_dim ", o.key_dim.repr(), " is not in query ", repr(query.dims()),
-        "; pass the query's feature dim as key_dim", same_name_hint(query, o.key_dim, "query's"));
-  check(keys.has(o.key_dim), kOp, "key_dim ", o.key_dim.repr(), " is not in keys ", repr(keys.dims()),
-        "; query and keys must share key_dim", same_name_hint(keys, o.key_dim, "keys'"));
-  check(!o.key_dim.is_dynamic(), kOp, "key_dim ", o.key_dim.repr(), " must be static");
-  check(o.key_dim.extent() > 0, kOp, "key_dim ", o.key_dim.repr(), " is empty; the default scale 1/sqrt(0) ",
-        "is undefined");
-  check(keys.has(o.axis), kOp, "axis ", o.axis.repr(), " is not in keys ", repr(keys.dims()),
-        "; pass the keys' spatial dim as axis", same_name_hint(keys, o.axis, "keys'"));
-  check(values.has(o.axis), kOp, "axis ", o.axis.repr(), " is not in values ", repr(values.dims()),
-        "; keys and values must share axis", same_name_hint(values, o.axis, "values'"));
+  DIMATTN_CHECK(is_floating(query.dtype()), kOp, "needs floating query, keys and values; got ", query.repr());
+  DIMATTN_CHECK(o.key_dim != o.axis, kOp, "key_dim and axis are the same dim ", o.axis.repr());
+  DIMATTN_CHECK(query.has(o.key_dim), kOp, "key_dim ", o.key_dim.repr(), " is not in query ", repr(query.dims()),
+                "; pass the query's feature dim as key_dim", same_name_hint(query, o.key_dim, "query's"));
+  DIMATTN_CHECK(keys.has(o.key_dim), kOp, "key_dim ", o.key_dim.repr(), " is not in keys ", repr(keys.dims()),
+                "; query and keys must share key_dim", same_name_hint(keys, o.key_dim, "keys'"));
+  DIMATTN_CHECK(!o.key_dim.is_dynamic(), kOp, "key_dim ", o.key_dim.repr(), " must be static");
+  DIMATTN_CHECK(o.key_dim.extent() > 0, kOp, "key_dim ", o.key_dim.repr(), " is empty; the default scale 1/sqrt(0) ",
+                "is undefined");
+  DIMATTN_CHECK(keys.has(o.axis), kOp, "axis ", o.axis.repr(), " is not in keys ", repr(keys.dims()),
+                "; pass the keys' spatial dim as axis", same_name_hint(keys, o.axis, "keys'"));
+  DIMATTN_CHECK(values.has(o.axis), kOp, "axis ", o.axis.repr(), " is not in values ", repr(values.dims()),
+                "; keys and values must share axis", same_name_hint(values, o.axis, "values'"));
   if (o.axis.is_dynamic())
     for (const Dim& d : o.axis.lengths().dims()) {
-      check(keys.has(d), kOp, "the lengths of axis ", o.axis.repr(), " vary over ", d.repr(),
-            ", which keys ", repr(keys.dims()), " lack; give keys that dim or use a static axis");
+      DIMATTN_CHECK(keys.has(d), kOp, "the lengths of axis ", o.axis.repr(), " vary over ", d.repr(),
+                    ", which keys ", repr(keys.dims()), " lack; give keys that dim or use a static axis");
       // Else the mask would vary over the reduced dim: the reference path
       // failed deep inside [align], the fused paths would mask per feature.
-      check(d != o.key_dim, kOp, "the lengths of axis ", o.axis.repr(), " vary over key_dim ", d.repr(),
-            "; lengths may vary over batch dims only");
+      DIMATTN_CHECK(d != o.key_dim, kOp, "the lengths of axis ", o.axis.repr(), " vary over key_dim ", d.repr(),
+                    "; lengths may vary over batch dims only");
     }
-  check(o.att_dropout >= 0 && o.att_dropout < 1, kOp, "att_dropout must be in [0, 1), got ", o.att_dropout);
+  DIMATTN_CHECK(o.att_dropout >= 0 && o.att_dropout < 1, kOp, "att_dropout must be in [0, 1), got ", o.att_dropout);
   if (o.scale)
-    check(std::isfinite(*o.scale), kOp, "scale must be finite, got ", *o.scale,
-          "; leave it unset for 1/sqrt(extent(key_dim))");
+    DIMATTN_CHECK(std::isfinite(*o.scale), kOp, "scale must be finite, got ", *o.scale,
+                  "; leave it unset for 1/sqrt(extent(key_dim))");
 }
 
 }  // namespace
@@ -94,31 +94,31 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
     if (d != kv_axis && d != o.key_dim && !q.has(d) && !contains(value_feature, d)) keys_only.push_back(d);
   // Without one, the result silently loses the feature axis (a weighted sum
   // of scalars), which is almost always a values tensor with dims mixed up.
-  check(!value_feature.empty(), kOp, "values ", repr(values.dims()), " have no feature dim: every dim but axis ",
-        o.axis.repr(), " is also in query or keys; give values a feature dim (expand_dim(values, Dim(\"v\", 1)) ",
-        "for scalar values)");
+  DIMATTN_CHECK(!value_feature.empty(), kOp, "values ", repr(values.dims()), " have no feature dim: every dim but axis ",
+                o.axis.repr(), " is also in query or keys; give values a feature dim (expand_dim(values, Dim(\"v\", 1)) ",
+                "for scalar values)");
 
   // Rule 6: causal.
   const bool causal = o.causal_query_spatial_dim.has_value();
   if (causal) {
     const Dim& cq = *o.causal_query_spatial_dim;
-    check(q.has(cq), kOp, "causal_query_spatial_dim ", cq.repr(), " is not in query ", repr(query.dims()));
-    check(contains(query_only, cq), kOp, "causal_query_spatial_dim ", cq.repr(), " is shared with keys/values ",
-          repr(all_kv), "; for causal self-attention pass axis = causal_query_spatial_dim");
+    DIMATTN_CHECK(q.has(cq), kOp, "causal_query_spatial_dim ", cq.repr(), " is not in query ", repr(query.dims()));
+    DIMATTN_CHECK(contains(query_only, cq), kOp, "causal_query_spatial_dim ", cq.repr(), " is shared with keys/values ",
+                  repr(all_kv), "; for causal self-attention pass axis = causal_query_spatial_dim");
     if (o.causal_offset) {
       const Tensor& off = *o.causal_offset;
       common_backend(kOp, {&query, &off});
-      check(off.dtype() == DType::int32 || off.dtype() == DType::int64, kOp, "causal_offset must be int32 or int64, got ",
-            off.repr());
-      check(without(off.dims(), batch).empty(), kOp, "causal_offset dims ", repr(off.dims()),
-            " must be batch dims of the call ", repr(batch));
+      DIMATTN_CHECK(off.dtype() == DType::int32 || off.dtype() == DType::int64, kOp, "causal_offset must be int32 or int64, got ",
+                    off.repr());
+      DIMATTN_CHECK(without(off.dims(), batch).empty(), kOp, "causal_offset dims ", repr(off.dims()),
+                    " must be batch dims of the call ", repr(batch));
     } else {
-      check(cq.extent() == kv_axis.extent(), kOp, "causal attention without causal_offset needs equal query and kv ",
-            "extents; query ", cq.repr(), " vs kv ", o.axis.repr(),
-            ". For a chunk appended to a history pass causal_offset = history length");
+      DIMATTN_CHECK(cq.extent() == kv_axis.extent(), kOp, "causal attention without causal_offset needs equal query and kv ",
+                    "extents; query ", cq.repr(), " vs kv ", o.axis.repr(),
+                    ". For a chunk appended to a history pass causal_offset = history length");
     }
   } else {
-    check(!o.causal_offset, kOp, "causal_offset is set but causal_query_spatial_dim is not");
+    DIMATTN_CHECK(!o.causal_offset, kOp, "causal_offset is set but causal_query_spatial_dim is not");
   }
 
   // Rules 3 and 4: the query's own dims are its spatial dim (the causal dim,
@@ -166,14 +166,17 @@ Decision explain_attention(const Tensor& query, const Tensor& keys, const Tensor
 }
 
 Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& o) {
-  const auto [call, dummy] = prepare(query, keys, values, o);
+  // Not a structured binding: clang 14 (the fuzz build) cannot capture one in a lambda.
+  const Prepared prepared = prepare(query, keys, values, o);
+  const AttentionCall& call = prepared.call;
+  const bool dummy = prepared.dummy;
   const Tensor &q = call.query, &k = call.keys, &v = call.values;
   auto restore = [&](const Tensor& t) { return dummy ? squeeze(t, call.query_spatial) : t; };
 
   if (TraceScope::capturing()) {
     const KernelForce force = current_kernel_force();
-    check(force.allows("reference"), kOp, "a TraceScope capturing energies needs the reference path, but kernels are ",
-          "forced to '", force.describe(), "'; use TraceScope(false) to trace only kernel names");
+    DIMATTN_CHECK(force.allows("reference"), kOp, "a TraceScope capturing energies needs the reference path, but kernels are ",
+                  "forced to '", force.describe(), "'; use TraceScope(false) to trace only kernel names");
     ReferenceAttention ref = reference_attention(call);
     Tensor out = restore(ref.output);
     TraceScope::record({"reference", out, restore(ref.energy), restore(ref.att_weights), q.shape(), k.shape(),

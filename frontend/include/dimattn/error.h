@@ -30,4 +30,12 @@ void check(bool cond, const char* op, const Parts&... parts) {
   if (!cond) detail::fail(op, parts...);
 }
 
+// check() for hot paths: the message parts (dims printed with repr, say)
+// are evaluated only when cond is false. check()'s arguments are built on
+// every call, which cost dot_attention microseconds of string formatting.
+#define DIMATTN_CHECK(cond, ...)                                  \
+  do {                                                            \
+    if (!(cond)) ::dimattn::detail::fail(__VA_ARGS__);            \
+  } while (0)
+
 }  // namespace dimattn
