@@ -39,10 +39,10 @@ HostView host(Backend& be, const RawPtr& x) {
 
 // x in `order`, reshaped to `shape`: a view where strides allow, with a unit
 // last stride (the kernel loads rows as vectors); each copy is counted.
-RawPtr kernel_view(Backend& be, const Tensor& x, const Dims& order, const Shape& shape) {
+RawPtr kernel_view(Backend& be, const MemoryView& mem, const Tensor& x, const Dims& order, const Shape& shape) {
   RawPtr aligned = align(x, order).raw();
   RawPtr r = be.reshape(aligned, shape);
-  const HostView before = host(be, aligned), after = host(be, r);
+  const HostView before = mem(aligned), after = mem(r);
   if (after.data != before.data) count_layout_copy();
   if (!after.strides.empty() && after.sizes.back() > 1 && after.strides.back() != 1) {
     r = be.contiguous(r);
@@ -51,9 +51,6 @@ RawPtr kernel_view(Backend& be, const Tensor& x, const Dims& order, const Shape&
   return r;
 }
 
-kernels::ElementStrides strides4(const HostView& v) {
-  return {v.strides[0], v.strides[1], v.strides[2], v.sizes[3] > 1 ? v.strides[3] : 1};
-}
 
 // Per-entry values of an integer tensor over dims ⊆ outer, in outer's order.
 std::vector<int64_t> per_entry(const Tensor& t, const Dims& outer) {
@@ -62,25 +59,39 @@ std::vector<int64_t> per_entry(const Tensor& t, const Dims& outer) {
   return out;
 }
 
-kernels::ElementType element_type(DType d) {
+template <class F>
+void run_kernel(F&& f) {
+  try {
+    f();
+  } catch (const std::invalid_argument& e) {
+    fail(kOp, "cpu_flash: ", e.what());
+  }
+}
+
+}  // namespace
+
+kernels::ElementStrides strides4(const HostView& v) {
+  return {v.strides[0], v.strides[1], v.strides[2], v.sizes[3] > 1 ? v.strides[3] : 1};
+}
+
+kernels::ElementType kernel_element_type(DType d) {
   switch (d) {
     case DType::float32: return kernels::ElementType::float32;
     case DType::float64: return kernels::ElementType::float64;
     case DType::bfloat16: return kernels::ElementType::bfloat16;
-    default: fail(kOp, "cpu_flash does not take ", dtype_name(d));
+    case DType::float16: return kernels::ElementType::float16;
+    default: fail(kOp, "the fused attention kernels do not take ", dtype_name(d));
   }
 }
 
-// Params common to forward and backward; the per-entry arrays live in `keep`.
-struct Prepared {
-  kernels::AttentionKernelParams p;
-  std::vector<int64_t> kv_len, offset;
-};
+MemoryView host_memory(Backend& be) {
+  return [&be](const RawPtr& x) { return host(be, x); };
+}
 
-void prepare(Prepared& pr, const AttentionCall& c, const FlashLayout& l, const HostView& q, const HostView& k,
-             const HostView& v) {
+void flash_params(FlashParams& pr, const AttentionCall& c, const FlashLayout& l, const HostView& q, const HostView& k,
+                  const HostView& v) {
   kernels::AttentionKernelParams& p = pr.p;
-  p.dtype = element_type(q.dtype);
+  p.dtype = kernel_element_type(q.dtype);
   p.q = q.data;
   p.k = k.data;
   p.v = v.data;
@@ -110,7 +121,6 @@ void prepare(Prepared& pr, const AttentionCall& c, const FlashLayout& l, const H
   p.rng_offset = static_cast<uint32_t>(c.dropout_offset);
 }
 
-// out and lse: written by the forward pass, read by the backward pass.
 void set_forward_outputs(kernels::AttentionKernelParams& p, const HostView& out, const HostView& lse) {
   p.out = out.data;
   p.out_strides = strides4(out);
@@ -119,16 +129,17 @@ void set_forward_outputs(kernels::AttentionKernelParams& p, const HostView& out,
   p.lse_head_stride = lse.strides[1];
 }
 
-template <class F>
-void run_kernel(F&& f) {
-  try {
-    f();
-  } catch (const std::invalid_argument& e) {
-    fail(kOp, "cpu_flash: ", e.what());
-  }
+void set_backward_tensors(kernels::AttentionKernelParams& p, const HostView& dout, const HostView& dq,
+                          const HostView& dk, const HostView& dv) {
+  p.dout = dout.data;
+  p.dout_strides = strides4(dout);
+  p.dq = dq.data;
+  p.dk = dk.data;
+  p.dv = dv.data;
+  p.dq_strides = strides4(dq);
+  p.dk_strides = strides4(dk);
+  p.dv_strides = strides4(dv);
 }
-
-}  // namespace
 
 const std::vector<KernelCandidate>& cpu_flash_candidates() {
   static const std::vector<KernelCandidate> c = {
@@ -171,15 +182,22 @@ FlashLayout flash_layout(const AttentionCall& c) {
 }
 
 FlashInputs flash_inputs(Backend& be, const AttentionCall& c, const FlashLayout& l) {
-  const Dims bh = join({l.outer, l.head});
-  return {kernel_view(be, c.query, join({bh, c.query_groups, {c.query_spatial, c.key_dim}}), {l.B, l.Hkv * l.G, l.Tq, l.D}),
-          kernel_view(be, c.keys, join({bh, {c.kv_spatial, c.key_dim}}), {l.B, l.Hkv, l.Tk, l.D}),
-          kernel_view(be, c.values, join({bh, {c.kv_spatial}, c.value_feature}), {l.B, l.Hkv, l.Tk, l.Dv})};
+  return flash_inputs(be, c, l, host_memory(be));
 }
 
-LayoutClass flash_layout_class(Backend& be, const FlashInputs& in) {
+FlashInputs flash_inputs(Backend& be, const AttentionCall& c, const FlashLayout& l, const MemoryView& mem) {
+  const Dims bh = join({l.outer, l.head});
+  return {kernel_view(be, mem, c.query, join({bh, c.query_groups, {c.query_spatial, c.key_dim}}),
+                      {l.B, l.Hkv * l.G, l.Tq, l.D}),
+          kernel_view(be, mem, c.keys, join({bh, {c.kv_spatial, c.key_dim}}), {l.B, l.Hkv, l.Tk, l.D}),
+          kernel_view(be, mem, c.values, join({bh, {c.kv_spatial}, c.value_feature}), {l.B, l.Hkv, l.Tk, l.Dv})};
+}
+
+LayoutClass flash_layout_class(Backend& be, const FlashInputs& in) { return flash_layout_class(in, host_memory(be)); }
+
+LayoutClass flash_layout_class(const FlashInputs& in, const MemoryView& mem) {
   auto view = [&](const RawPtr& x) {
-    const HostView h = host(be, x);
+    const HostView h = mem(x);
     return ViewLayout{h.sizes, h.strides, nullptr, 0, dtype_size(h.dtype), reinterpret_cast<uintptr_t>(h.data)};
   };
   ViewLayout q = view(in.q), k = view(in.k), v = view(in.v);
@@ -210,8 +228,8 @@ FlashForward flash_forward(Backend& be, const AttentionCall& c, const FlashLayou
   const int64_t H = l.Hkv * l.G;
   FlashForward f{be.full({l.B, H, l.Tq, l.Dv}, 0.0, q.dtype, kCPU), be.full({l.B, H, l.Tq}, 0.0, lse_dtype, kCPU)};
   const HostView out = host(be, f.out), lse = host(be, f.lse);
-  Prepared pr;
-  prepare(pr, c, l, q, k, v);
+  FlashParams pr;
+  flash_params(pr, c, l, q, k, v);
   set_forward_outputs(pr.p, out, lse);
   run_kernel([&] { kernels::flash_attention_forward_cpu(pr.p, pf); });
   return f;
@@ -225,17 +243,10 @@ FlashInputs flash_backward(Backend& be, const AttentionCall& c, const FlashLayou
                 be.full(v.sizes, 0.0, v.dtype, kCPU)};
   const HostView out = host(be, fwd.out), lse = host(be, fwd.lse), d = host(be, dout_c);
   const HostView dq = host(be, g.q), dk = host(be, g.k), dv = host(be, g.v);
-  Prepared pr;
-  prepare(pr, c, l, q, k, v);
+  FlashParams pr;
+  flash_params(pr, c, l, q, k, v);
   set_forward_outputs(pr.p, out, lse);
-  pr.p.dout = d.data;
-  pr.p.dout_strides = strides4(d);
-  pr.p.dq = dq.data;
-  pr.p.dk = dk.data;
-  pr.p.dv = dv.data;
-  pr.p.dq_strides = strides4(dq);
-  pr.p.dk_strides = strides4(dk);
-  pr.p.dv_strides = strides4(dv);
+  set_backward_tensors(pr.p, d, dq, dk, dv);
   run_kernel([&] { kernels::flash_attention_backward_cpu(pr.p, pf); });
   return g;
 }
@@ -244,7 +255,7 @@ Tensor flash_output(Backend& be, const AttentionCall& c, const FlashLayout& l, c
   const Dims dims = join({l.outer, l.head, c.query_groups, {c.query_spatial}, c.value_feature});
   Shape shape;
   for (const Dim& d : dims) shape.push_back(d.extent());
-  return Tensor(dims, c.query.dtype(), kCPU, be.reshape(out4, shape), &be);
+  return Tensor(dims, c.query.dtype(), c.query.device(), be.reshape(out4, shape), &be);
 }
 
 namespace {

@@ -22,6 +22,8 @@
 #include <limits>
 
 #include "backends/src/cpu_flash_path.h"
+#include "backends/src/cuda_flash_gate.h"
+#include "backends/torch/cuda_flash_path.h"
 #include "backends/torch/torch_backend.h"
 #include "backends/torch/torch_raw.h"
 #include "dimattn/layout.h"
@@ -95,6 +97,11 @@ const std::vector<KernelCandidate>& candidates(DeviceType device) {
   static const std::vector<KernelCandidate> cuda = {{"aten_cudnn", gate_cudnn},
                                                     {"aten_flash", gate_flash_cuda},
                                                     {"aten_efficient", gate_efficient},
+                                                    // After ATen's fused kernels until it is measured on a GPU
+                                                    // (docs/backends.md); first for dropout, causal GQA and offsets.
+                                                    {"cuda_flash", [](const AttentionParams& p) {
+                                                       return detail::cuda_flash_gate(p);
+                                                     }},
                                                     {"aten_math", gate_math},
                                                     {"reference", gate_reference}};
   return device == DeviceType::cpu ? cpu : cuda;
@@ -314,6 +321,7 @@ AttentionResult TorchBackend::scaled_dot_product_attention(const AttentionCall& 
                                              c10::make_intrusive<CpuFlashInfo>(this, c, layout));
     return {detail::flash_output(*this, c, layout, wrap(out)), "cpu_flash"};
   }
+  if (d.kernel == "cuda_flash") return cuda_flash_attention(*this, c);
   const Masks m = masks_of(c);
   at::Tensor out4;
   try {

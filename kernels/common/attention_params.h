@@ -36,20 +36,42 @@
 namespace dimattn::kernels {
 
 // Element type of q, k, v, out, dout, dq, dk, dv (all the same).
-// bfloat16 is stored as its uint16_t bit pattern.
-enum class ElementType : uint8_t { float32, float64, bfloat16 };
+// bfloat16 and float16 are stored as their uint16_t bit patterns.
+enum class ElementType : uint8_t { float32, float64, bfloat16, float16 };
 
 inline const char* element_type_name(ElementType t) {
   switch (t) {
     case ElementType::float32: return "float32";
     case ElementType::float64: return "float64";
     case ElementType::bfloat16: return "bfloat16";
+    case ElementType::float16: return "float16";
   }
   return "invalid";
 }
 
+// Sets of element types, for the kernel that validates params: each kernel
+// computes only some (the CPU kernel float32, float64 and bfloat16; the CUDA
+// kernel bfloat16 and float16).
+using ElementTypeSet = unsigned;
+constexpr ElementTypeSet element_type_bit(ElementType t) { return 1u << static_cast<unsigned>(t); }
+inline constexpr ElementTypeSet kCpuElementTypes = element_type_bit(ElementType::float32) |
+                                                   element_type_bit(ElementType::float64) |
+                                                   element_type_bit(ElementType::bfloat16);
+inline constexpr ElementTypeSet kCudaElementTypes =
+    element_type_bit(ElementType::bfloat16) | element_type_bit(ElementType::float16);
+
+inline std::string element_type_list(ElementTypeSet set) {
+  std::string s;
+  for (ElementType t : {ElementType::float32, ElementType::float64, ElementType::bfloat16, ElementType::float16})
+    if (set & element_type_bit(t)) {
+      if (!s.empty()) s += ", ";
+      s += element_type_name(t);
+    }
+  return s;
+}
+
 // lse and every internal sum are kept in the accumulation type: float32 for
-// float32 and bfloat16, float64 for float64 (whose 1e-10 tolerance a float32
+// float32, bfloat16 and float16, float64 for float64 (whose 1e-10 tolerance a float32
 // lse could not meet in the backward pass).
 inline bool accumulates_in_double(ElementType t) { return t == ElementType::float64; }
 
@@ -118,7 +140,9 @@ struct AttentionKernelParams {
 
   // Everything a caller can get wrong in the fields above, without reading
   // the per-batch arrays (which may live on a device). Empty when ok.
-  std::string validate(bool backward) const;
+  // `types`: the element types the calling kernel computes (default: the CPU
+  // kernel's, so that it rejects float16 with a reason).
+  std::string validate(bool backward, ElementTypeSet types = kCpuElementTypes) const;
   // The per-batch arrays' values. pre: they are readable from the host.
   std::string validate_host_arrays() const;
 };
@@ -168,10 +192,12 @@ inline bool non_overlapping(const int64_t (&sizes)[4], const int64_t (&strides)[
 
 }  // namespace detail
 
-inline std::string AttentionKernelParams::validate(bool backward) const {
+inline std::string AttentionKernelParams::validate(bool backward, ElementTypeSet types) const {
   const std::string op = backward ? "[attention backward] " : "[attention] ";
-  if (dtype != ElementType::float32 && dtype != ElementType::float64 && dtype != ElementType::bfloat16)
+  if (static_cast<unsigned>(dtype) > static_cast<unsigned>(ElementType::float16))
     return op + "unsupported element type " + std::to_string(static_cast<int>(dtype));
+  if (!(types & element_type_bit(dtype)))
+    return op + "this kernel does not take " + element_type_name(dtype) + "; it takes " + element_type_list(types);
   if (batch < 0 || seqlen_q < 0 || seqlen_k < 0 || head_dim < 0 || head_dim_v < 0)
     return op + "sizes must be >= 0, got batch=" + std::to_string(batch) + " seqlen_q=" + std::to_string(seqlen_q) +
            " seqlen_k=" + std::to_string(seqlen_k) + " head_dim=" + std::to_string(head_dim) +

@@ -1094,6 +1094,7 @@ inline void run_forward(const AttentionKernelParams& p, const ParallelFor& pf) {
     case ElementType::float32: forward<float, float>(p, pf); break;
     case ElementType::float64: forward<double, double>(p, pf); break;
     case ElementType::bfloat16: forward<uint16_t, float>(p, pf); break;
+    case ElementType::float16: break;  // rejected by validate() (CUDA only)
   }
 }
 
@@ -1102,5 +1103,6 @@ inline void run_backward(const AttentionKernelParams& p, const ParallelFor& pf) 
     case ElementType::float32: backward<float, float>(p, pf); break;
     case ElementType::float64: backward<double, double>(p, pf); break;
     case ElementType::bfloat16: backward<uint16_t, float>(p, pf); break;
+    case ElementType::float16: break;  // rejected by validate() (CUDA only)
   }
 }

@@ -19,6 +19,7 @@
 #include "kernels/common/philox.h"
 #include "kernels/cpu/flash_attention.h"
 #include "kernels/cpu/thread_pool.h"
+#include "tests/kernels/bf16_bits.h"
 
 namespace dimattn::kernels {
 namespace {
@@ -30,24 +31,15 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 
 size_t elem_size(ElementType t) { return t == ElementType::float64 ? 8 : t == ElementType::float32 ? 4 : 2; }
 
-uint16_t bf16_round(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-float bf16_value(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+using test::bf16_round;
+using test::bf16_value;
 // The value a double has once stored in the dtype.
 double representable(ElementType t, double x) {
   switch (t) {
     case ElementType::float64: return x;
     case ElementType::float32: return static_cast<float>(x);
     case ElementType::bfloat16: return bf16_value(bf16_round(static_cast<float>(x)));
+    case ElementType::float16: break;  // not a CPU kernel type
   }
   return x;
 }

@@ -1,0 +1,148 @@
+// cuda_flash in the torch backend. Everything that turns roles into kernel
+// params is shared with cpu_flash (backends/src/cpu_flash_path.h); this file
+// adds device memory: views of CUDA tensors, the per-entry arrays copied to
+// the device, the current stream, and the autograd function.
+//
+// No CUDA headers here: the stream comes through c10's device-generic
+// interface, and the kernels' host API is plain C++.
+#include "backends/torch/cuda_flash_path.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_ops.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/Stream.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <cstring>
+#include <stdexcept>
+
+#include "backends/src/cpu_flash_path.h"
+#include "backends/torch/torch_raw.h"
+#include "dimattn/error.h"
+#include "kernels/cuda/flash_attention_cuda.h"
+
+namespace dimattn::torch_backend {
+namespace {
+
+constexpr const char* kOp = "dot_attention";
+
+HostView device_view(const at::Tensor& t) {
+  return HostView{t.data_ptr(), t.sizes().vec(), t.strides().vec(), dimattn_dtype(t.scalar_type())};
+}
+HostView device_view_raw(const RawPtr& x) { return device_view(as_aten(x)); }
+
+at::Tensor empty_on(at::IntArrayRef shape, at::ScalarType dtype, c10::Device device) {
+  return at::_ops::empty_memory_format::call(c10::fromIntArrayRefSlow(shape), dtype, at::kStrided, device,
+                                             std::nullopt, std::nullopt);
+}
+
+// t itself when the kernel can read it in place (16-byte aligned rows, unit
+// last stride), else a contiguous copy, counted.
+at::Tensor kernel_readable(const at::Tensor& t) {
+  bool ok = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && (t.size(3) <= 1 || t.stride(3) == 1);
+  for (int a = 0; a < 3 && ok; ++a) ok = t.size(a) <= 1 || t.stride(a) % 8 == 0;
+  if (ok || t.numel() == 0) return t;
+  count_layout_copy();
+  at::Tensor c = t.contiguous();
+  if (reinterpret_cast<uintptr_t>(c.const_data_ptr()) % 16 == 0) return c;
+  // A contiguous view at an odd offset: a fresh buffer.
+  at::Tensor fresh = empty_on(t.sizes(), t.scalar_type(), t.device());
+  fresh.copy_(t);
+  return fresh;
+}
+
+CUstream_st* current_stream(c10::Device device) {
+  const c10::Stream s = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device);
+  return static_cast<CUstream_st*>(s.native_handle());
+}
+
+// The per-entry arrays (host vectors in FlashParams) on the device; p points
+// at them while the returned tensors live.
+std::vector<at::Tensor> to_device_arrays(detail::FlashParams& pr, c10::Device device) {
+  std::vector<at::Tensor> keep;
+  auto upload = [&](const std::vector<int64_t>& host, const int64_t*& ptr) {
+    if (ptr == nullptr) return;
+    at::Tensor h = empty_on({static_cast<int64_t>(host.size())}, at::kLong, c10::Device(c10::DeviceType::CPU));
+    std::memcpy(h.mutable_data_ptr<int64_t>(), host.data(), host.size() * sizeof(int64_t));
+    keep.push_back(h.to(device));
+    ptr = keep.back().const_data_ptr<int64_t>();
+  };
+  upload(pr.kv_len, pr.p.kv_lengths);
+  upload(pr.offset, pr.p.causal_offset);
+  return keep;
+}
+
+// pre: the kernel gate passed at selection; what remains is caught here.
+template <class F>
+void run_kernel(const kernels::AttentionKernelParams& p, bool backward, F&& f) {
+  if (std::string err = kernels::cuda_flash_gate(p, backward); !err.empty())
+    detail::fail(kOp, "cuda_flash: internal error, the adapter built params the kernel rejects: ", err,
+                 "; force another kernel with DIMATTN_SDPA and report this");
+  try {
+    f();
+  } catch (const std::exception& e) {
+    detail::fail(kOp, "cuda_flash: ", e.what());
+  }
+}
+
+struct CudaFlashInfo : torch::CustomClassHolder {
+  CudaFlashInfo(AttentionCall c, detail::FlashLayout l) : call(std::move(c)), layout(l) {}
+  AttentionCall call;
+  detail::FlashLayout layout;
+};
+
+class CudaFlashFunction : public torch::autograd::Function<CudaFlashFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, c10::intrusive_ptr<CudaFlashInfo> info) {
+    const c10::DeviceGuard guard(q.device());
+    const detail::FlashLayout& l = info->layout;
+    const at::Tensor qr = kernel_readable(q), kr = kernel_readable(k), vr = kernel_readable(v);
+    detail::FlashParams pr;
+    detail::flash_params(pr, info->call, l, device_view(qr), device_view(kr), device_view(vr));
+    const at::Tensor out = empty_on({l.B, l.Hkv * l.G, l.Tq, l.Dv}, q.scalar_type(), q.device());
+    const at::Tensor lse = empty_on({l.B, l.Hkv * l.G, l.Tq}, at::kFloat, q.device());
+    detail::set_forward_outputs(pr.p, device_view(out), device_view(lse));
+    const std::vector<at::Tensor> arrays = to_device_arrays(pr, q.device());
+    run_kernel(pr.p, false, [&] { kernels::cuda_flash_forward(pr.p, current_stream(q.device())); });
+    ctx->save_for_backward({qr, kr, vr, out, lse});
+    ctx->saved_data["info"] = at::IValue::make_capsule(std::move(info));
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto info = c10::static_intrusive_pointer_cast<CudaFlashInfo>(ctx->saved_data["info"].toCapsule());
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    const c10::DeviceGuard guard(q.device());
+    const at::Tensor dout = kernel_readable(grads[0]);
+    detail::FlashParams pr;
+    detail::flash_params(pr, info->call, info->layout, device_view(q), device_view(k), device_view(v));
+    detail::set_forward_outputs(pr.p, device_view(out), device_view(lse));
+    const at::Tensor dq = empty_on(q.sizes(), q.scalar_type(), q.device());
+    const at::Tensor dk = empty_on(k.sizes(), k.scalar_type(), k.device());
+    const at::Tensor dv = empty_on(v.sizes(), v.scalar_type(), v.device());
+    detail::set_backward_tensors(pr.p, device_view(dout), device_view(dq), device_view(dk), device_view(dv));
+    const std::vector<at::Tensor> arrays = to_device_arrays(pr, q.device());
+    const int64_t ws_bytes = static_cast<int64_t>(kernels::cuda_flash_backward_workspace_bytes(pr.p));
+    const at::Tensor workspace = empty_on({(ws_bytes + 3) / 4}, at::kFloat, q.device());
+    run_kernel(pr.p, true, [&] {
+      kernels::cuda_flash_backward(pr.p, workspace.data_ptr(), current_stream(q.device()));
+    });
+    return {dq, dk, dv, at::Tensor()};
+  }
+};
+
+}  // namespace
+
+AttentionResult cuda_flash_attention(TorchBackend& be, const AttentionCall& c) {
+  const detail::FlashLayout layout = detail::flash_layout(c);
+  const detail::FlashInputs in = detail::flash_inputs(be, c, layout, device_view_raw);
+  at::Tensor out = CudaFlashFunction::apply(as_aten(in.q), as_aten(in.k), as_aten(in.v),
+                                            c10::make_intrusive<CudaFlashInfo>(c, layout));
+  return {detail::flash_output(be, c, layout, wrap(out)), "cuda_flash"};
+}
+
+}  // namespace dimattn::torch_backend
