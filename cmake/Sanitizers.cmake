@@ -50,6 +50,15 @@ if(DIMATTN_FUZZ)
     message(FATAL_ERROR "DIMATTN_FUZZ needs clang (libFuzzer); configure with -DCMAKE_CXX_COMPILER=clang++ "
                         "or use the 'fuzz' preset")
   endif()
-  add_compile_options("$<$<COMPILE_LANGUAGE:CXX>:-fsanitize=fuzzer-no-link>")
+  # Coverage skips the standard library's and Eigen's internals
+  # (tests/fuzz/coverage_ignorelist.txt). The list is passed as a copy whose
+  # name holds its hash: neither ninja nor ccache reads the file, and a
+  # changed list must change the command line to rebuild everything.
+  set(_dimattn_ignorelist "${CMAKE_CURRENT_LIST_DIR}/../tests/fuzz/coverage_ignorelist.txt")
+  file(MD5 "${_dimattn_ignorelist}" _dimattn_ignorelist_md5)
+  set(_dimattn_ignorelist_copy "${CMAKE_BINARY_DIR}/coverage_ignorelist-${_dimattn_ignorelist_md5}.txt")
+  configure_file("${_dimattn_ignorelist}" "${_dimattn_ignorelist_copy}" COPYONLY)
+  add_compile_options("$<$<COMPILE_LANGUAGE:CXX>:-fsanitize=fuzzer-no-link>"
+    "$<$<COMPILE_LANGUAGE:CXX>:-fsanitize-coverage-ignorelist=${_dimattn_ignorelist_copy}>")
   message(STATUS "dimattn: libFuzzer coverage instrumentation on")
 endif()

@@ -72,7 +72,12 @@ ReferenceAttention reference_attention(const AttentionCall& c) {
         "energy tensor ", repr(energy_dims), " of ", bytes / (1 << 20), " MiB, over the limit of ",
         reference_memory_limit() / (1 << 20), " MiB (set_reference_memory_limit, DIMATTN_REFERENCE_MAX_BYTES); ",
         "use a fused kernel (force 'auto'), shorter sequences or chunks");
-  const Tensor q = cast(c.query, dt), k = cast(c.keys, dt), v = cast(c.values, dt);
+  const Tensor q = cast(c.query, dt), k = cast(c.keys, dt);
+  Tensor v = cast(c.values, dt);
+  // Padding is not data: a masked weight is 0, but 0 * NaN is NaN, so
+  // padded values (an uninitialised cache, say) are zeroed before the
+  // product, as the fused kernels never read them (docs/errors.md).
+  if (c.kv_spatial.is_dynamic()) v = where(sequence_mask(c.kv_spatial, options_like(v)), v, 0.0);
 
   Tensor energy = matmul(mul(q, c.scale), k, {c.key_dim});
 

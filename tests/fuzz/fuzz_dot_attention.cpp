@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -37,10 +38,12 @@ using namespace dimattn;
 
 namespace {
 
-std::string describe_call;  // printed on failure
+// The call being checked, described only on failure (formatting dims for
+// every input took a tenth of the run time).
+std::function<std::string()> describe_call;
 
 [[noreturn]] void fail(const std::string& what) {
-  std::fprintf(stderr, "fuzz_dot_attention: %s\n%s\n", what.c_str(), describe_call.c_str());
+  std::fprintf(stderr, "fuzz_dot_attention: %s\n%s\n", what.c_str(), describe_call ? describe_call().c_str() : "");
   std::abort();
 }
 
@@ -77,10 +80,10 @@ void add_unique(Dims& out, const Dims& in, const Dims& skip) {
 
 DType pick_dtype(FuzzedDataProvider& in) {
   switch (in.ConsumeIntegralInRange<int>(0, 15)) {
-    case 0: return DType::float64;
-    case 1: return DType::bfloat16;
-    case 2: return DType::float16;
-    case 3: return DType::int32;
+    case 12: return DType::float64;
+    case 13: return DType::bfloat16;
+    case 14: return DType::float16;
+    case 15: return DType::int32;
     default: return DType::float32;
   }
 }
@@ -99,26 +102,46 @@ Dims pick_dims(FuzzedDataProvider& in, const Dims& pool) {
 
 }  // namespace
 
+// One thread for dimattn's own CPU kernels: a fuzzer uses one core (the
+// thread pool is the concurrency tests' and TSan's subject, not this one's).
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  setenv("DIMATTN_NUM_THREADS", "1", /*overwrite=*/0);
+  return 0;
+}
+
+// DIMATTN_FUZZ_STATS=1: how many inputs gave a result, an error, or ran the
+// value check, printed at exit (to see that inputs reach the kernels).
+struct Stats {
+  long results = 0, errors = 0, checked = 0;
+  ~Stats() {
+    if (std::getenv("DIMATTN_FUZZ_STATS"))
+      std::fprintf(stderr, "fuzz_dot_attention: %ld results (%ld value-checked), %ld errors\n", results, checked,
+                   errors);
+  }
+} stats;
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider in(data, size);
   const std::vector<std::string> backends = backend_names();
   const std::string be = backends[in.ConsumeIntegralInRange<size_t>(0, backends.size() - 1)];
   const TensorOptions int_opts{.dtype = DType::int64, .backend = be};
-  describe_call = "backend " + be;
+  describe_call = [be] { return "backend " + be; };
 
   try {
     // --- a pool of dims: static (0..4) and dynamic over earlier static dims ---
     Dims pool;
-    const int n = in.ConsumeIntegralInRange<int>(1, 7);
+    // Defaults (the bytes run out: zeros) give a plain valid call, so that
+    // short inputs reach the kernels; the rare choices sit at the far ends.
+    const int n = 2 + (in.ConsumeIntegralInRange<int>(0, 5) + 1) % 6;  // 2..7, default 3
     for (int i = 0; i < n; ++i) {
       const int raw = in.ConsumeIntegralInRange<int>(0, 15);
-      const int64_t extent = raw == 0 ? 0 : 1 + raw % 4;
+      const int64_t extent = raw == 15 ? 0 : 1 + (raw + 2) % 4;  // 0..4, default 3
       // Names repeat sometimes: identity, not name, makes a dim.
-      const std::string name = "d" + std::to_string(in.ConsumeIntegralInRange<int>(0, 5) == 0 ? 0 : i);
+      const std::string name = "d" + std::to_string(in.ConsumeIntegralInRange<int>(0, 5) == 5 ? 0 : i);
       Dims statics;
       for (const Dim& d : pool)
         if (!d.is_dynamic()) statics.push_back(d);
-      if (!statics.empty() && in.ConsumeIntegralInRange<int>(0, 3) == 0) {
+      if (!statics.empty() && in.ConsumeIntegralInRange<int>(0, 3) == 3) {
         Dims over;
         for (const Dim& d : statics)
           if (in.ConsumeBool()) over.push_back(d);
@@ -126,10 +149,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         for (const Dim& d : over) count *= d.extent();
         std::vector<double> lens;
         for (int64_t j = 0; j < count; ++j)
-          lens.push_back(in.ConsumeIntegralInRange<int>(0, 15) == 0 ? in.ConsumeIntegralInRange<int>(-2, extent + 2)
-                                                                     : in.ConsumeIntegralInRange<int64_t>(0, extent));
+          lens.push_back(in.ConsumeIntegralInRange<int>(0, 15) == 15 ? in.ConsumeIntegralInRange<int>(-2, extent + 2)
+                                                                      : extent - in.ConsumeIntegralInRange<int64_t>(0, extent));
         const int lk = in.ConsumeIntegralInRange<int>(0, 9);
-        const DType ldt = lk == 0 ? DType::float32 : lk == 1 ? DType::int32 : DType::int64;
+        const DType ldt = lk == 9 ? DType::float32 : lk == 8 ? DType::int32 : DType::int64;
         const Tensor lengths = from_host(over, lens, {.dtype = ldt, .backend = be});
         const std::optional<int64_t> ext = in.ConsumeBool() ? std::optional<int64_t>(extent) : std::nullopt;
         pool.push_back(Dim::dynamic(name, lengths, ext));
@@ -139,17 +162,45 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
 
     // --- operands ---
-    const Dims qd = pick_dims(in, pool), kd = pick_dims(in, pool), vd = pick_dims(in, pool);
-    const DType dt = pick_dtype(in);
-    const DType vdt = in.ConsumeIntegralInRange<int>(0, 31) == 0 ? pick_dtype(in) : dt;
+    // Mostly by roles (batch, query-only, keys-only, value feature, unused),
+    // so that most calls are valid and reach the kernels; else any subsets.
     AttentionOptions o{.key_dim = pool[in.ConsumeIntegralInRange<size_t>(0, pool.size() - 1)],
                        .axis = pool[in.ConsumeIntegralInRange<size_t>(0, pool.size() - 1)]};
+    Dims qd, kd, vd;
+    if (in.ConsumeIntegralInRange<int>(0, 3) != 3) {
+      if (o.axis == o.key_dim && pool.size() > 1) o.axis = pool[(index_of(pool, o.key_dim) + 1) % pool.size()];
+      Dims vfeat;
+      for (const Dim& d : pool) {
+        if (d == o.key_dim || d == o.axis) continue;
+        switch (in.ConsumeIntegralInRange<int>(0, 4)) {
+          case 0: qd.push_back(d), kd.push_back(d), vd.push_back(d); break;  // batch
+          case 1: qd.push_back(d); break;                                      // the query's own
+          case 2: kd.push_back(d), vd.push_back(d); break;                    // keys-only
+          case 3: vfeat.push_back(d); break;                                   // value feature
+          default: break;
+        }
+      }
+      qd.push_back(o.key_dim);
+      if (in.ConsumeIntegralInRange<int>(0, 3) == 3) qd.push_back(o.axis);  // self-attention
+      kd.push_back(o.axis), kd.push_back(o.key_dim);
+      vd.push_back(o.axis);
+      if (vfeat.empty() || in.ConsumeIntegralInRange<int>(0, 7) == 0) vfeat.push_back(o.key_dim);
+      vd.insert(vd.end(), vfeat.begin(), vfeat.end());
+      for (Dims* ds : {&qd, &kd, &vd})
+        for (size_t i = ds->size(); i > 1; --i) std::swap((*ds)[i - 1], (*ds)[in.ConsumeIntegralInRange<size_t>(0, i - 1)]);
+    } else {
+      qd = pick_dims(in, pool), kd = pick_dims(in, pool), vd = pick_dims(in, pool);
+    }
+    const DType dt = pick_dtype(in);
+    const DType vdt = in.ConsumeIntegralInRange<int>(0, 31) == 31 ? pick_dtype(in) : dt;
     static const double kDropouts[] = {0, 0, 0, 0.1, 0.5, 0.99, -0.1, 1.0, NAN, INFINITY};
     o.att_dropout = kDropouts[in.ConsumeIntegralInRange<int>(0, 9)];
     o.att_dropout_broadcast = in.ConsumeBool();
-    if (in.ConsumeIntegralInRange<int>(0, 2) == 0)
-      o.causal_query_spatial_dim = pool[in.ConsumeIntegralInRange<size_t>(0, pool.size() - 1)];
-    if (in.ConsumeIntegralInRange<int>(0, 3) == 0) {
+    if (in.ConsumeIntegralInRange<int>(0, 2) == 2) {
+      const Dims& from = in.ConsumeBool() && !qd.empty() ? qd : pool;
+      o.causal_query_spatial_dim = from[in.ConsumeIntegralInRange<size_t>(0, from.size() - 1)];
+    }
+    if (in.ConsumeIntegralInRange<int>(0, 3) == 3) {
       Dims od;
       for (const Dim& d : qd)
         if (in.ConsumeBool()) od.push_back(d);
@@ -159,23 +210,25 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       for (int64_t j = 0; j < count && j < 4096; ++j) offs.push_back(in.ConsumeIntegralInRange<int>(-3, 6));
       if (static_cast<int64_t>(offs.size()) == count) {
         const int ok = in.ConsumeIntegralInRange<int>(0, 9);
-        const DType odt = ok == 0 ? DType::float32 : ok == 1 ? DType::int32 : DType::int64;
+        const DType odt = ok == 9 ? DType::float32 : ok == 8 ? DType::int32 : DType::int64;
         o.causal_offset = from_host(od, offs, {.dtype = odt, .backend = be});
       }
     }
     static const double kScales[] = {0.5, 1.0, 0.0, -2.0, 3.0, NAN, INFINITY, -INFINITY};
     if (in.ConsumeBool()) o.scale = kScales[in.ConsumeIntegralInRange<int>(0, 7)];
     const bool train = in.ConsumeBool();
-    const int mode = in.ConsumeIntegralInRange<int>(0, 6);
-    const bool low_limit = in.ConsumeIntegralInRange<int>(0, 15) == 0;
+    const int mode = in.ConsumeIntegralInRange<int>(0, 7);
+    const bool low_limit = in.ConsumeIntegralInRange<int>(0, 15) == 15;
 
-    describe_call += " q" + repr(qd) + " k" + repr(kd) + " v" + repr(vd) + " dtype " + dtype_name(dt) + "/" +
+    describe_call = [=] {
+      return "backend " + be + " q" + repr(qd) + " k" + repr(kd) + " v" + repr(vd) + " dtype " + dtype_name(dt) + "/" +
                      dtype_name(vdt) + " key_dim " + o.key_dim.repr() + " axis " + o.axis.repr() + " dropout " +
                      std::to_string(o.att_dropout) + (o.att_dropout_broadcast ? " broadcast" : "") + " causal " +
                      (o.causal_query_spatial_dim ? o.causal_query_spatial_dim->repr() : "-") + " offset " +
                      (o.causal_offset ? o.causal_offset->repr() : "-") + " scale " +
                      (o.scale ? std::to_string(*o.scale) : "-") + " train " + std::to_string(train) + " mode " +
                      std::to_string(mode) + " low_limit " + std::to_string(low_limit);
+    };
 
     // Integer operands: made as floats, then cast (random_normal takes floats only).
     auto make = [&](const Dims& dims, uint64_t seed, DType t) {
@@ -206,6 +259,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       return 0;
     }
     out = dot_attention(q, k, v, o);
+    ++stats.results;
+    if (mode == 6) {
+      // Gradients through cpu_flash (backends without autograd): the input
+      // dims, and finite wherever the inputs are (dropout included).
+      const Tensor g_out = random_normal(out->dims(), 4, {.dtype = out->dtype(), .backend = be});
+      set_random_seed(42);
+      const AttentionGrads g = dot_attention_backward(q, k, v, o, g_out);
+      const Tensor* ins[] = {&q, &k, &v};
+      const Tensor* gs[] = {&g.query, &g.keys, &g.values};
+      for (int i = 0; i < 3; ++i) {
+        if (!same_set(gs[i]->dims(), ins[i]->dims()))
+          fail("gradient dims " + repr(gs[i]->dims()) + " differ from the input's " + repr(ins[i]->dims()));
+        for (double x : to_host(*gs[i]))
+          if (!std::isfinite(x)) fail("a gradient is not finite for finite inputs");
+      }
+    }
 
     // --- dims and dtype ---
     Dims expected;
@@ -227,7 +296,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
     // --- values, against plain loops ---
     const bool dropout_on = train && o.att_dropout > 0;
-    if (dropout_on || !is_floating(dt)) return 0;
+    if (dropout_on) {
+      for (double x : to_host(*out))
+        if (!std::isfinite(x)) fail("a result with dropout is not finite for finite inputs");
+      return 0;
+    }
     const double scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(o.key_dim.extent())));
     const Host hq(q), hk(k), hv(v), ho(*out);
     std::optional<Host> hlen, hoff;
@@ -279,8 +352,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         fail("result element " + std::to_string(flat) + " is " + std::to_string(got) + ", plain loops give " +
              std::to_string(want));
     }
+    ++stats.checked;
   } catch (const dimattn::Error&) {
     // A clear error is a valid outcome for bad input.
+    ++stats.errors;
   }
   return 0;
 }

@@ -19,7 +19,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iterator>
-#include <set>
 #include <vector>
 
 #include "dimattn/layout.h"
@@ -49,26 +48,29 @@ int64_t numel(const ViewLayout& v) {
 }
 
 // Every element offset the view touches, by recursion over axes: an
-// enumeration written independently of touched_elements.
-void enumerate(const ViewLayout& v, size_t axis, int64_t base, std::set<int64_t>& out) {
+// enumeration written independently of touched_elements. Sorted, unique.
+void enumerate(const ViewLayout& v, size_t axis, int64_t base, std::vector<int64_t>& out) {
   if (axis == v.sizes.size()) {
-    out.insert(base);
+    out.push_back(base);
     return;
   }
   for (int64_t i = 0; i < v.sizes[axis]; ++i) enumerate(v, axis + 1, base + i * v.strides[axis], out);
 }
 
-std::set<int64_t> brute(const ViewLayout& v) {
-  std::set<int64_t> s;
+std::vector<int64_t> brute(const ViewLayout& v) {
+  std::vector<int64_t> s;
   if (numel(v) > 0) enumerate(v, 0, v.offset, s);
+  std::sort(s.begin(), s.end());
+  s.erase(std::unique(s.begin(), s.end()), s.end());
   return s;
 }
 
-bool intersects(const std::set<int64_t>& a, const std::set<int64_t>& b) {
-  const auto& small = a.size() < b.size() ? a : b;
-  const auto& large = a.size() < b.size() ? b : a;
-  for (int64_t x : small)
-    if (large.count(x)) return true;
+bool intersects(const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    if (a[i] == b[j]) return true;
+    a[i] < b[j] ? ++i : ++j;
+  }
   return false;
 }
 
@@ -98,15 +100,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static int buffers[3];
   ViewLayout views[3];
   // Keep element offsets far from int64 overflow and brute force cheap:
-  // at most 2^18 elements per view, strides within ±4096.
-  const bool large = in.ConsumeIntegralInRange<int>(0, 7) == 0;
+  // at most 2^16 elements per view (two such views pass the exact limit of
+  // 2^16 together), strides within ±4096; large views in 1 input of 32.
+  const bool large = in.ConsumeIntegralInRange<int>(0, 31) == 0;
   for (ViewLayout& v : views) {
     const int rank = in.ConsumeIntegralInRange<int>(0, 4);
     int64_t n = 1;
     for (int a = 0; a < rank; ++a) {
-      const int64_t max_size = large ? 96 : 6;
+      const int64_t max_size = large ? 64 : 6;
       int64_t s = in.ConsumeIntegralInRange<int64_t>(0, max_size);
-      if (n * std::max<int64_t>(s, 1) > (int64_t{1} << 18)) s = 1;
+      if (n * std::max<int64_t>(s, 1) > (int64_t{1} << 16)) s = 1;
       n *= std::max<int64_t>(s, 1);
       v.sizes.push_back(s);
     }
@@ -145,12 +148,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
   }
 
-  std::set<int64_t> touched[3];
+  std::vector<int64_t> touched[3];
   for (int i = 0; i < 3; ++i) {
     const ViewLayout& v = views[i];
     touched[i] = brute(v);
     const std::vector<int64_t> t = dimattn::touched_elements(v);
-    if (!std::equal(t.begin(), t.end(), touched[i].begin(), touched[i].end()))
+    if (t != touched[i])
       fail("touched_elements differs from the brute-force enumeration", &v, 1);
     if (dimattn::is_row_major_contiguous(v) != contiguous_by_definition(v))
       fail("is_row_major_contiguous differs from its definition", &v, 1);
@@ -182,9 +185,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
 
   const LayoutClass got = dimattn::classify_layout(q, k, v);
-  if (got != dimattn::classify_layout(q, k, v)) fail("classify_layout is not deterministic", views, 3);
-  // k and v play symmetric roles in every rule but packed_kv vs q-sharing.
-  if (dimattn::classify_layout(q, v, k) != got) fail("classify_layout(q, k, v) != classify_layout(q, v, k)", views, 3);
+  if (!large) {  // (each call enumerates the views again: only for small ones)
+    if (got != dimattn::classify_layout(q, k, v)) fail("classify_layout is not deterministic", views, 3);
+    // k and v play symmetric roles in every rule.
+    if (dimattn::classify_layout(q, v, k) != got)
+      fail("classify_layout(q, k, v) != classify_layout(q, v, k)", views, 3);
+  }
 
   if (!exact) {
     // Beyond the exact limit the rule is documented for the packed-buffer
