@@ -52,17 +52,26 @@ DIMATTN_HD float uniform_from_bits(uint32_t bits) { return static_cast<float>(bi
 
 inline constexpr uint64_t kBroadcastSalt = 0xB40ADCA57D0F0F0Full;
 
-// Uniform number of attention element (bh, q, k).
-DIMATTN_HD float dropout_uniform(uint64_t seed, uint32_t offset, uint32_t bh, uint32_t q, uint32_t k) {
-  const Philox4 r = philox4x32_10(Philox4{{k >> 2, q, bh, offset}}, seed);
-  return uniform_from_bits(r.v[k & 3]);
+// The random words of kv positions 4 * (k / 4) .. + 3 of attention row
+// (bh, q): lane k % 4 is position k's. One call serves four positions.
+DIMATTN_HD Philox4 dropout_words(uint64_t seed, uint32_t offset, uint32_t bh, uint32_t q, uint32_t k) {
+  return philox4x32_10(Philox4{{k >> 2, q, bh, offset}}, seed);
 }
 
-// Uniform number of kv position k under broadcast dropout (shared by every
-// batch entry, head and query position).
+// The same under broadcast dropout (shared by every batch entry, head and
+// query position).
+DIMATTN_HD Philox4 dropout_words_broadcast(uint64_t seed, uint32_t offset, uint32_t k) {
+  return philox4x32_10(Philox4{{k >> 2, 0, 0, offset}}, seed ^ kBroadcastSalt);
+}
+
+// Uniform number of attention element (bh, q, k).
+DIMATTN_HD float dropout_uniform(uint64_t seed, uint32_t offset, uint32_t bh, uint32_t q, uint32_t k) {
+  return uniform_from_bits(dropout_words(seed, offset, bh, q, k).v[k & 3]);
+}
+
+// Uniform number of kv position k under broadcast dropout.
 DIMATTN_HD float dropout_uniform_broadcast(uint64_t seed, uint32_t offset, uint32_t k) {
-  const Philox4 r = philox4x32_10(Philox4{{k >> 2, 0, 0, offset}}, seed ^ kBroadcastSalt);
-  return uniform_from_bits(r.v[k & 3]);
+  return uniform_from_bits(dropout_words_broadcast(seed, offset, k).v[k & 3]);
 }
 
 }  // namespace dimattn::kernels

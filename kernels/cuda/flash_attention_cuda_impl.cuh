@@ -108,20 +108,23 @@ __device__ inline uint32_t philox_lane(const Philox4& r, uint32_t lane) {
   return lane == 0 ? r.v[0] : lane == 1 ? r.v[1] : lane == 2 ? r.v[2] : r.v[3];
 }
 
+// The Philox words of kv positions 4 * (j / 4) .. + 3 of row (bh, i).
+__device__ inline Philox4 dropout_words_of(const DeviceParams& p, uint32_t bh, uint32_t i, uint32_t j) {
+  return p.dropout_broadcast ? dropout_words_broadcast(p.seed, p.rng_offset, j)
+                             : dropout_words(p.seed, p.rng_offset, bh, i, j);
+}
+
 // Random bits of elements (bh, i, j) and (bh, i, j + 1). pre: j even (both
-// share one counter, {j / 4, i, bh, offset}).
+// share one counter).
 __device__ inline void dropout_bits_pair(const DeviceParams& p, uint32_t bh, uint32_t i, uint32_t j, uint32_t& b0,
                                          uint32_t& b1) {
-  const Philox4 r = p.dropout_broadcast ? philox4x32_10(Philox4{{j >> 2, 0, 0, p.rng_offset}}, p.seed ^ kBroadcastSalt)
-                                        : philox4x32_10(Philox4{{j >> 2, i, bh, p.rng_offset}}, p.seed);
+  const Philox4 r = dropout_words_of(p, bh, i, j);
   b0 = philox_lane(r, j & 3);
   b1 = philox_lane(r, (j + 1) & 3);
 }
 
 __device__ inline uint32_t dropout_bits(const DeviceParams& p, uint32_t bh, uint32_t i, uint32_t j) {
-  const Philox4 r = p.dropout_broadcast ? philox4x32_10(Philox4{{j >> 2, 0, 0, p.rng_offset}}, p.seed ^ kBroadcastSalt)
-                                        : philox4x32_10(Philox4{{j >> 2, i, bh, p.rng_offset}}, p.seed);
-  return philox_lane(r, j & 3);
+  return philox_lane(dropout_words_of(p, bh, i, j), j & 3);
 }
 
 __device__ inline float keep_factor(const DeviceParams& p, uint32_t bits) {
