@@ -355,6 +355,9 @@ Problem make_problem(int64_t B, int64_t H, int64_t T, int64_t D, at::ScalarType 
   return pr;
 }
 
+#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
+#error "compile with OpenMP (-fopenmp), or at::parallel_for runs serially"
+#endif
 k::ParallelFor aten_parallel_for() {
   // As the torch backend runs the kernel (backends/torch/torch_attention.cpp).
   return [](int64_t begin, int64_t end, const k::ParallelBody& body) {

@@ -259,6 +259,12 @@ at::Tensor run_kernel(const std::string& kernel, const AttentionCall& c, const K
 
 // --- dimattn's own CPU kernel, with autograd ---
 
+// at::parallel_for is a header template; in a LibTorch built with OpenMP it
+// splits work only where this file is compiled with OpenMP too, and runs the
+// whole range on the calling thread otherwise (backends/CMakeLists.txt).
+#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
+#error "compile the torch backend with OpenMP (-fopenmp), or at::parallel_for runs serially"
+#endif
 kernels::ParallelFor aten_parallel_for() {
   return [](int64_t begin, int64_t end, const kernels::ParallelBody& body) {
     at::parallel_for(begin, end, 1, [&](int64_t b, int64_t e) { body(b, e); });
