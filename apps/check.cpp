@@ -8,6 +8,7 @@
 
 #include "cli_args.h"
 #include "commands.h"
+#include "dimattn/tolerance.h"
 #include "dimattn/backend.h"
 #include "dimattn/error.h"
 #include "dimattn/registry.h"
@@ -31,16 +32,6 @@ const std::vector<Option> kOptions = {
     {"seed", "S", "seed of the case generator (default 1)"},
 };
 
-// Max abs error against the reference at unit output scale (DESIGN.md §6).
-double tolerance(DType d) {
-  switch (d) {
-    case DType::float64: return 1e-10;
-    case DType::float32: return 1e-5;
-    case DType::bfloat16: return 2e-2;
-    case DType::float16: return 2e-3;
-    default: return 0;
-  }
-}
 
 // A random small call; the backend and device are filled in per run.
 Problem random_problem(std::mt19937_64& rng) {
@@ -105,7 +96,7 @@ void check_on(Problem p, const std::string& backend, Device device, int case_ind
     return run_forced(ops, kernel);
   };
   const Tensor ref = run("reference");
-  const double tol = tolerance(p.dtype) * std::max(1.0, max_abs(ref));
+  const double tol = reference_tolerance(p.dtype) * std::max(1.0, max_abs(ref));
   for (const std::string& kernel : get_backend(backend).attention_kernels(device)) {
     if (kernel == "reference") continue;
     const std::string name = backend + "/" + kernel + (device == kCPU ? "" : "@" + device_name(device));
@@ -142,7 +133,7 @@ void print_summary(const Summary& s, uint64_t seed, double seconds) {
               "worst_err/tol");
   for (const auto& [key, e] : s.errors)
     std::printf("  %-28s %-9s %5d %12.3g %10.0e %14.3f\n", key.first.c_str(), dtype_name(key.second), e.runs,
-                e.max_err, tolerance(key.second), e.worst_ratio);
+                e.max_err, reference_tolerance(key.second), e.worst_ratio);
   std::printf("\nrejections by reason:\n");
   if (s.rejections.empty()) std::printf("  none\n");
   for (const auto& [reason, n] : s.rejections) std::printf("  %5d  %s\n", n, reason.c_str());

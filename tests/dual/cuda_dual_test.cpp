@@ -6,6 +6,7 @@
 // Skips where LibTorch sees no CUDA device (CI); scripts/gpu-check runs it.
 #include <iostream>
 
+#include "dimattn/tolerance.h"
 #include "dimattn/attention.h"
 #include "dimattn/backend.h"
 #include "dimattn/forcing.h"
@@ -29,7 +30,6 @@ struct CudaCase {
   bool broadcast_dropout = false;
 };
 
-double tolerance(DType d) { return d == DType::float16 ? 2e-3 : 2e-2; }
 
 std::vector<CudaCase> cases() {
   std::vector<CudaCase> out;
@@ -112,7 +112,7 @@ TEST_P(CudaDual, EveryCudaKernelAgreesWithTheReference) {
   const CudaCase& c = GetParam();
   const Operands ops = make_operands(c);
   const RunResult ref = run(ops, "reference");
-  const double tol = tolerance(c.dtype);
+  const double tol = reference_tolerance(c.dtype);
   bool cuda_flash_ran = false;
   for (const std::string& kernel : get_backend("torch").attention_kernels(kCUDA)) {
     if (kernel == "reference") continue;

@@ -11,6 +11,7 @@
 #include <set>
 #include <thread>
 
+#include "dimattn/tolerance.h"
 #include "dimattn/attention.h"
 #include "dimattn/backend.h"
 #include "dimattn/forcing.h"
@@ -35,15 +36,6 @@ struct DualCase {
   bool broadcast_dropout = false;
 };
 
-double tolerance(DType d) {
-  switch (d) {
-    case DType::float64: return 1e-10;
-    case DType::float32: return 1e-5;
-    case DType::bfloat16: return 2e-2;
-    case DType::float16: return 2e-3;
-    default: return 0;
-  }
-}
 
 std::vector<DualCase> cases() {
   std::vector<DualCase> out;
@@ -143,7 +135,7 @@ TEST_P(Dual, EveryKernelAgreesWithTheReference) {
   for (const std::string& backend : backend_names()) {
     const Operands ops = make_operands(c, backend);
     const RunResult ref = run(ops, "reference");
-    const double tol = tolerance(c.dtype);
+    const double tol = reference_tolerance(c.dtype);
     for (const std::string& kernel : get_backend(backend).attention_kernels(kCPU)) {
       if (kernel == "reference") continue;
       std::optional<RunResult> got;
