@@ -11,7 +11,7 @@
 
 #include "cli_args.h"
 #include "commands.h"
-#include "dimattn/backend.h"
+#include "dimattn/ext/backend.h"
 #include "dimattn/error.h"
 #include "dimattn/forcing.h"
 #include "dimattn/registry.h"
@@ -143,9 +143,9 @@ std::vector<Config> suite(const Settings& s) {
 std::vector<std::string> kernels_of(const Problem& p, const Settings& s) {
   std::vector<std::string> out;
   for (const std::string& k : get_backend(p.backend).attention_kernels(p.device))
-    if (k != "reference" && (s.kernels.empty() || std::count(s.kernels.begin(), s.kernels.end(), k))) out.push_back(k);
+    if (k != kReferenceKernel && (s.kernels.empty() || std::count(s.kernels.begin(), s.kernels.end(), k))) out.push_back(k);
   for (const std::string& k : s.kernels)  // asked for, but not a kernel here: listed as rejected
-    if (k != "reference" && k != "auto" && !std::count(out.begin(), out.end(), k)) out.push_back(k);
+    if (k != kReferenceKernel && k != "auto" && !std::count(out.begin(), out.end(), k)) out.push_back(k);
   return out;
 }
 

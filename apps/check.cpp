@@ -9,7 +9,7 @@
 #include "cli_args.h"
 #include "commands.h"
 #include "dimattn/tolerance.h"
-#include "dimattn/backend.h"
+#include "dimattn/ext/backend.h"
 #include "dimattn/error.h"
 #include "dimattn/registry.h"
 #include "dimattn/run_context.h"

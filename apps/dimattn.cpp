@@ -12,6 +12,7 @@
 #include "commands.h"
 #include "dimattn/error.h"
 #include "dimattn/ops.h"
+#include "dimattn/ext/backend.h"
 #include "dimattn/registry.h"
 
 namespace dimattn::cli {

@@ -4,7 +4,7 @@
 
 #include "cli_args.h"
 #include "commands.h"
-#include "dimattn/backend.h"
+#include "dimattn/ext/backend.h"
 #include "dimattn/error.h"
 #include "dimattn/forcing.h"
 #include "dimattn/registry.h"

@@ -5,7 +5,7 @@
 #include <sstream>
 
 #include "cli_args.h"
-#include "dimattn/backend.h"
+#include "dimattn/ext/backend.h"
 #include "dimattn/forcing.h"
 #include "dimattn/ops.h"
 #include "dimattn/selection.h"

@@ -28,6 +28,7 @@
 #include "dimattn/attention.h"
 #include "dimattn/forcing.h"
 #include "dimattn/ops.h"
+#include "dimattn/ext/backend.h"
 #include "dimattn/registry.h"
 #include "dimattn/torch_interop.h"
 

@@ -1,18 +1,22 @@
 #pragma once
 // The Eigen backend's raw tensor: a strided view (sizes, strides, offset)
 // over shared, 64-byte aligned storage. Views (permute, expand, slice and
-// reshape where the strides allow) share the storage; nothing writes into a
-// tensor after the op that made it returns, so sharing is safe.
+// reshape where the strides allow) share the storage. Sharing is safe because
+// only a fresh tensor is written after the op that made it returns: cpu_flash
+// fills the outputs it created with `full` through host_view, before any view
+// of them exists.
 //
-// This header has no Eigen includes so that CPU kernels and layout detection
-// can read raw pointers and strides without pulling in Eigen.
+// Only the data structure, without Eigen's headers (eigen_element.h has
+// those); kernels and layout detection do not include it but read pointers
+// and strides through Backend::host_view. The op families' shared helpers are
+// in eigen_strided.h, the primitives in eigen_ops.h.
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <new>
 #include <vector>
 
-#include "dimattn/backend.h"
+#include "dimattn/ext/backend.h"
 #include "dimattn/dtype.h"
 #include "dimattn/tensor.h"
 

@@ -1,11 +1,11 @@
 // cuda_flash in the torch backend. Everything that turns roles into kernel
-// params is shared with cpu_flash (backends/src/cpu_flash_path.h); this file
+// params is the one kernel form (backends/adapters/kernel_form.h); this file
 // adds device memory: views of CUDA tensors, the per-entry arrays copied to
 // the device, the current stream, and the autograd function.
 //
 // No CUDA headers here: the stream comes through c10's device-generic
 // interface, and the kernels' host API is plain C++.
-#include "backends/torch/cuda_flash_path.h"
+#include "cuda_flash_path.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_ops.h>
@@ -17,20 +17,18 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "backends/src/cpu_flash_path.h"
-#include "backends/torch/torch_raw.h"
+#include "adapters/kernel_form.h"
+#include "torch_raw.h"
 #include "dimattn/error.h"
-#include "kernels/cuda/flash_attention_cuda.h"
+#include "dimattn/internal/check.h"
+#include "dimattn/internal/counters.h"
+#include "cuda/flash_attention_cuda.h"
 
 namespace dimattn::torch_backend {
 namespace {
 
 constexpr const char* kOp = "dot_attention";
 
-HostView device_view(const at::Tensor& t) {
-  return HostView{t.data_ptr(), t.sizes().vec(), t.strides().vec(), dimattn_dtype(t.scalar_type())};
-}
-HostView device_view_raw(const RawPtr& x) { return device_view(as_aten(x)); }
 
 at::Tensor empty_on(at::IntArrayRef shape, at::ScalarType dtype, c10::Device device) {
   return at::_ops::empty_memory_format::call(c10::fromIntArrayRefSlow(shape), dtype, at::kStrided, device,
@@ -100,10 +98,10 @@ class CudaFlashFunction : public torch::autograd::Function<CudaFlashFunction> {
     const detail::FlashLayout& l = info->layout;
     const at::Tensor qr = kernel_readable(q), kr = kernel_readable(k), vr = kernel_readable(v);
     detail::FlashParams pr;
-    detail::flash_params(pr, info->call, l, device_view(qr), device_view(kr), device_view(vr));
+    detail::flash_params(pr, info->call, l, memory_of(qr), memory_of(kr), memory_of(vr));
     const at::Tensor out = empty_on({l.B, l.Hkv * l.G, l.Tq, l.Dv}, q.scalar_type(), q.device());
     const at::Tensor lse = empty_on({l.B, l.Hkv * l.G, l.Tq}, at::kFloat, q.device());
-    detail::set_forward_outputs(pr.p, device_view(out), device_view(lse));
+    detail::set_forward_outputs(pr.p, memory_of(out), memory_of(lse));
     const std::vector<at::Tensor> arrays = to_device_arrays(pr, q.device());
     run_kernel(pr.p, false, [&] { kernels::cuda_flash_forward(pr.p, current_stream(q.device())); });
     ctx->save_for_backward({qr, kr, vr, out, lse});
@@ -119,12 +117,12 @@ class CudaFlashFunction : public torch::autograd::Function<CudaFlashFunction> {
     const c10::DeviceGuard guard(q.device());
     const at::Tensor dout = kernel_readable(grads[0]);
     detail::FlashParams pr;
-    detail::flash_params(pr, info->call, info->layout, device_view(q), device_view(k), device_view(v));
-    detail::set_forward_outputs(pr.p, device_view(out), device_view(lse));
+    detail::flash_params(pr, info->call, info->layout, memory_of(q), memory_of(k), memory_of(v));
+    detail::set_forward_outputs(pr.p, memory_of(out), memory_of(lse));
     const at::Tensor dq = empty_on(q.sizes(), q.scalar_type(), q.device());
     const at::Tensor dk = empty_on(k.sizes(), k.scalar_type(), k.device());
     const at::Tensor dv = empty_on(v.sizes(), v.scalar_type(), v.device());
-    detail::set_backward_tensors(pr.p, device_view(dout), device_view(dq), device_view(dk), device_view(dv));
+    detail::set_backward_tensors(pr.p, memory_of(dout), memory_of(dq), memory_of(dk), memory_of(dv));
     const std::vector<at::Tensor> arrays = to_device_arrays(pr, q.device());
     const int64_t ws_bytes = static_cast<int64_t>(kernels::cuda_flash_backward_workspace_bytes(pr.p));
     const at::Tensor workspace = empty_on({(ws_bytes + 3) / 4}, at::kFloat, q.device());
@@ -137,12 +135,12 @@ class CudaFlashFunction : public torch::autograd::Function<CudaFlashFunction> {
 
 }  // namespace
 
-AttentionResult cuda_flash_attention(TorchBackend& be, const AttentionCall& c) {
+Tensor cuda_flash_attention(TorchBackend& be, const AttentionCall& c) {
   const detail::FlashLayout layout = detail::flash_layout(c);
-  const detail::FlashInputs in = detail::flash_inputs(be, c, layout, device_view_raw);
+  const detail::FlashInputs in = detail::flash_inputs(be, layout, detail::aligned_inputs(c, layout), memory_of_raw);
   at::Tensor out = CudaFlashFunction::apply(as_aten(in.q), as_aten(in.k), as_aten(in.v),
                                             c10::make_intrusive<CudaFlashInfo>(c, layout));
-  return {detail::flash_output(be, c, layout, wrap(out)), "cuda_flash"};
+  return detail::flash_output(be, c, layout, wrap(out));
 }
 
 }  // namespace dimattn::torch_backend

@@ -3,11 +3,11 @@
 // kernels/cuda): roles -> the shared kernel form (backends/src/cpu_flash_path.h)
 // on device memory -> an autograd function over the forward and backward
 // kernels, on the current CUDA stream.
-#include "backends/torch/torch_backend.h"
+#include "torch_backend.h"
 
 namespace dimattn::torch_backend {
 
 // pre: detail::cuda_flash_gate passed for the call's AttentionParams.
-AttentionResult cuda_flash_attention(TorchBackend& be, const AttentionCall& call);
+Tensor cuda_flash_attention(TorchBackend& be, const AttentionCall& call);
 
 }  // namespace dimattn::torch_backend

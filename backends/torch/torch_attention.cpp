@@ -1,14 +1,14 @@
-// The torch backend's attention fast path: roles -> ATen's [B, H, T, D]
-// views -> the ATen SDPA kernel that selection chose; the reference path
-// otherwise.
+// The torch backend's attention kernels: its kernel table (dimattn's own
+// cpu_flash and cuda_flash, ATen's SDPA kernels) with their gates and the
+// adapter from roles to ATen's [B, H, T, D].
 //
-// Kernel form. B is the product of the batch dims that masks depend on (kv
-// lengths, causal offset), H the product of the other batch and keys-only
-// dims. Query groups (beam, GQA heads per kv head) become more query rows,
-// [B, H, G*Tq, D], so that one kv head serves them without a copy; for causal
-// attention with groups the rows would lose their position, and the groups
-// become GQA heads instead, [B, H*G, Tq, D], which only ATen's math kernel
-// takes. Views are used wherever strides allow; each copy is counted.
+// Kernel form: the one mapping of adapters/cpu_flash_path.h (B and kv heads
+// from the batch and keys-only dims). For ATen, query groups (beam, GQA heads
+// per kv head) become more query rows, [B, H, G*Tq, D], so that one kv head
+// serves them without a copy; for causal attention with groups the rows would
+// lose their position, and the groups become GQA heads instead,
+// [B, H*G, Tq, D], which only ATen's math kernel takes. Views are used
+// wherever strides allow; each copy is counted.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_scaled_dot_product_attention_math_ops.h>
 #include <ATen/ops/_scaled_dot_product_cudnn_attention_ops.h>
@@ -16,19 +16,22 @@
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_ops.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_ops.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <limits>
 
-#include "backends/src/cpu_flash_path.h"
-#include "backends/src/cuda_flash_gate.h"
-#include "backends/torch/cuda_flash_path.h"
-#include "backends/torch/torch_backend.h"
-#include "backends/torch/torch_raw.h"
-#include "dimattn/layout.h"
-#include "dimattn/ops.h"
+#include "adapters/cpu_flash_path.h"
+#include "common/attention_mask.h"
+#include "adapters/cuda_flash_gate.h"
+#include "cuda_flash_path.h"
+#include "torch_backend.h"
+#include "torch_raw.h"
+#include "dimattn/ext/layout.h"
 #include "dimattn/selection.h"
+#include "dimattn/internal/check.h"
+#include "dimattn/internal/counters.h"
 
 namespace dimattn::torch_backend {
 namespace {
@@ -87,49 +90,7 @@ GateResult gate_efficient(const AttentionParams& p) {
   return cuda_gate(p, true, 256);
 }
 
-GateResult gate_reference(const AttentionParams&) { return GateResult::pass(); }
-
-const std::vector<KernelCandidate>& candidates(DeviceType device) {
-  static const std::vector<KernelCandidate> cpu = {{"cpu_flash", detail::cpu_flash_gate},
-                                                   {"aten_flash_cpu", gate_flash_cpu},
-                                                   {"aten_math", gate_math},
-                                                   {"reference", gate_reference}};
-  static const std::vector<KernelCandidate> cuda = {{"aten_cudnn", gate_cudnn},
-                                                    {"aten_flash", gate_flash_cuda},
-                                                    {"aten_efficient", gate_efficient},
-                                                    // After ATen's fused kernels until it is measured on a GPU
-                                                    // (docs/backends.md); first for dropout, causal GQA and offsets.
-                                                    {"cuda_flash", [](const AttentionParams& p) {
-                                                       return detail::cuda_flash_gate(p);
-                                                     }},
-                                                    {"aten_math", gate_math},
-                                                    {"reference", gate_reference}};
-  return device == DeviceType::cpu ? cpu : cuda;
-}
-
 // --- roles -> kernel form ---
-
-int64_t product(const Dims& dims) {
-  int64_t n = 1;
-  for (const Dim& d : dims) n *= d.extent();
-  return n;
-}
-
-Dims join(std::initializer_list<Dims> parts) {
-  Dims out;
-  for (const Dims& p : parts) out.insert(out.end(), p.begin(), p.end());
-  return out;
-}
-
-// The raw ATen tensor of x with dims in `order`; dims x lacks are broadcast.
-at::Tensor aten_in(const Tensor& x, const Dims& order) { return as_aten(align(x, order).raw()); }
-
-// t.reshape(shape), counting a copy when no view exists.
-at::Tensor reshaped(const at::Tensor& t, at::IntArrayRef shape) {
-  at::Tensor r = t.reshape(shape);
-  if (r.numel() > 0 && !r.is_alias_of(t)) count_layout_copy();
-  return r;
-}
 
 ViewLayout view_of(const at::Tensor& t) {
   ViewLayout v;
@@ -142,119 +103,139 @@ ViewLayout view_of(const at::Tensor& t) {
   return v;
 }
 
-// Every ATen kernel here reads the feature dim with unit stride.
-at::Tensor unit_last_stride(const at::Tensor& t, const char* which) {
-  static const LayoutRequirements req{.last_dim_unit_stride = true};
+// t as the kernel can read it: itself, or a counted copy.
+at::Tensor meeting(const at::Tensor& t, const LayoutRequirements& req, const char* which) {
   if (check_layout(view_of(t), req, which).ok) return t;
   count_layout_copy();
   return t.contiguous();
 }
 
-struct KernelForm {
-  Dims mask_b, other_b;  // dims of B and of H
-  int64_t B, H, G, Tq, Tk, D, Dv;
-  at::Tensor q, k, v;  // [B, H, rows, D] aligned per role (before the rows/heads merge for q)
-  LayoutClass layout;
-  bool requires_grad;
-};
-
-KernelForm form_of(const AttentionCall& c) {
-  KernelForm f;
-  Dims mask_dims;
-  if (c.kv_spatial.is_dynamic()) mask_dims = c.kv_spatial.lengths().dims();
-  if (c.causal_offset) mask_dims = join({mask_dims, c.causal_offset->dims()});
-  for (const Dim& d : join({c.batch, c.keys_only})) (contains(mask_dims, d) ? f.mask_b : f.other_b).push_back(d);
-  f.B = product(f.mask_b);
-  f.H = product(f.other_b);
-  f.G = product(c.query_groups);
-  f.Tq = c.query_spatial.extent();
-  f.Tk = c.kv_spatial.extent();
-  f.D = c.key_dim.extent();
-  f.Dv = product(c.value_feature);
-  const Dims bh = join({f.mask_b, f.other_b});
-  f.q = aten_in(c.query, join({bh, c.query_groups, {c.query_spatial, c.key_dim}}));
-  f.k = aten_in(c.keys, join({bh, {c.kv_spatial, c.key_dim}}));
-  f.v = aten_in(c.values, join({bh, {c.kv_spatial}, c.value_feature}));
-  f.layout = classify_layout(view_of(f.q), view_of(f.k), view_of(f.v));
-  f.requires_grad = f.q.requires_grad() || f.k.requires_grad() || f.v.requires_grad();
-  return f;
-}
-
-// The named bool mask of allowed (query, kv) pairs, when one is needed, and
-// the rows that have at least one allowed pair when some may have none.
+// The mask as the ATen kernels take it when called directly: an additive
+// bias in the query's dtype (0 or -inf), [B, 1, Tq or 1, Tk]. (Only the
+// public SDPA entry converts bool masks; the kernels read any mask as a
+// bias.) Built on the host from the per-entry kv lengths and causal offsets.
+// Kernels give NaN for a query row without any allowed kv position: such
+// rows see kv position 0 instead, and `row_ok` [B, Tq] zeroes them (their
+// gradients too) after the kernel.
 struct Masks {
-  std::optional<Tensor> allowed;  // dims ⊆ mask_b ∪ {query_spatial, kv_spatial}
-  std::optional<Tensor> row_ok;   // dims ⊆ mask_b ∪ {query_spatial}
+  std::optional<at::Tensor> bias;
+  std::optional<at::Tensor> row_ok;
+  std::optional<at::Tensor> kv_valid;  // [B, 1, Tk, 1]: kv positions inside the lengths, with padding
 };
 
-Masks masks_of(const AttentionCall& c) {
+Masks masks_of(const AttentionCall& c, const detail::FlashLayout& f, const at::TensorOptions& like) {
   Masks m;
   const bool padding = c.kv_spatial.is_dynamic();
   if (!padding && !c.causal_offset) return m;  // none, or plain causal via is_causal
-  const TensorOptions bool_opts{DType::boolean, c.query.device(), "torch"};
-  const TensorOptions int_opts{DType::int64, c.query.device(), "torch"};
-  const Tensor kpos = range_over_dim(c.kv_spatial, int_opts);
-  Tensor ok_rows = full({}, 1.0, bool_opts);
+  const std::vector<int64_t> len = padding ? host_ints(c.kv_spatial.lengths(), f.outer) : std::vector<int64_t>{};
+  const std::vector<int64_t> off = c.causal_offset ? host_ints(*c.causal_offset, f.outer) : std::vector<int64_t>{};
+  const int64_t rows = c.causal ? f.Tq : 1;  // without causal every row of an entry is the same
+  std::vector<float> bias(static_cast<size_t>(f.B * rows * f.Tk));
+  std::vector<uint8_t> ok(static_cast<size_t>(f.B * f.Tq), 1);
+  bool all_ok = true;
+  for (int64_t b = 0; b < f.B; ++b) {
+    // The one mask definition of the fused kernels (common/attention_mask.h).
+    const kernels::EntryMask mask = kernels::entry_mask(nullptr, padding ? len.data() : nullptr,
+                                                        off.empty() ? nullptr : off.data(), c.causal, f.Tq, f.Tk, b);
+    for (int64_t i = 0; i < rows; ++i) {
+      kernels::Range r = mask.row(i);
+      if (r.empty()) {
+        for (int64_t q = c.causal ? i : 0; q < (c.causal ? i + 1 : f.Tq); ++q) ok[b * f.Tq + q] = 0;
+        all_ok = false;
+        r = {0, std::min<int64_t>(1, f.Tk)};
+      }
+      float* row = bias.data() + (b * rows + i) * f.Tk;
+      for (int64_t j = 0; j < f.Tk; ++j) row[j] = r.contains(j) ? 0.0f : -std::numeric_limits<float>::infinity();
+    }
+  }
   if (padding) {
-    m.allowed = sequence_mask(c.kv_spatial, bool_opts);
-    ok_rows = compare(to_backend(cast(c.kv_spatial.lengths(), DType::int64), "torch"), Compare::gt, 0.0);
+    std::vector<uint8_t> valid(static_cast<size_t>(f.B * f.Tk));
+    for (int64_t b = 0; b < f.B; ++b)
+      for (int64_t j = 0; j < f.Tk; ++j) valid[b * f.Tk + j] = j < len[b];
+    m.kv_valid = at::from_blob(valid.data(), {f.B, 1, f.Tk, 1}, at::TensorOptions().dtype(at::kBool))
+                     .to(like.device(), at::kBool, false, /*copy=*/true);
   }
-  if (c.causal) {
-    Tensor limit = range_over_dim(c.query_spatial, int_opts);
-    if (c.causal_offset) limit = add(limit, cast(*c.causal_offset, DType::int64));
-    Tensor causal = compare(kpos, Compare::le, limit);
-    m.allowed = m.allowed ? logical_and(*m.allowed, causal) : causal;
-    ok_rows = logical_and(ok_rows, compare(limit, Compare::ge, 0.0));
-  }
-  bool all_rows_ok = true;
-  for (double x : to_host(ok_rows)) all_rows_ok = all_rows_ok && x != 0;
-  if (!all_rows_ok) {
-    // Kernels give NaN for a row without any allowed pair; let such rows see
-    // kv position 0, then zero them (their gradients too) after the kernel.
-    m.allowed = logical_or(*m.allowed, logical_and(logical_not(ok_rows), compare(kpos, Compare::eq, 0.0)));
-    m.row_ok = ok_rows;
-  }
+  const auto on_device = [&](auto* data, at::IntArrayRef shape, at::ScalarType type) {
+    return at::from_blob(data, shape, at::TensorOptions().dtype(type))
+        .to(like.device(), type == at::kBool ? at::kBool : c10::typeMetaToScalarType(like.dtype()),
+            /*non_blocking=*/false, /*copy=*/true);
+  };
+  m.bias = on_device(bias.data(), {f.B, 1, rows, f.Tk}, at::kFloat);
+  if (!all_ok) m.row_ok = on_device(ok.data(), {f.B, f.Tq}, at::kBool);
   return m;
 }
 
-// The mask as the ATen kernels take it when called directly: an additive
-// bias in the query's dtype (0 or -inf), [B, 1, Tq or 1, Tk]. (Only the
-// public SDPA entry converts bool masks; the kernels read any mask as a bias.)
-at::Tensor aten_mask(const Tensor& allowed, const AttentionCall& c, const KernelForm& f) {
-  const bool per_row = allowed.has(c.query_spatial);
-  Dims order = f.mask_b;
-  if (per_row) order.push_back(c.query_spatial);
-  order.push_back(c.kv_spatial);
-  at::Tensor m = reshaped(aten_in(allowed, order), {f.B, 1, per_row ? f.Tq : 1, f.Tk});
-  return f.q.new_zeros(m.sizes()).masked_fill(m.logical_not(), -std::numeric_limits<double>::infinity());
+// One ATen SDPA kernel called on the kernel form (heads_form: the query
+// groups as heads, for causal attention with groups).
+struct AtenArgs {
+  at::Tensor q, k, v;
+  std::optional<at::Tensor> bias;
+  bool is_causal;
+  std::optional<double> scale;
+  bool requires_grad, heads_form;
+};
+using AtenKernel = at::Tensor (*)(const AtenArgs&);
+
+at::Tensor aten_flash_cpu(const AtenArgs& a) {
+  return std::get<0>(
+      at::_ops::_scaled_dot_product_flash_attention_for_cpu::call(a.q, a.k, a.v, 0.0, a.is_causal, a.bias, a.scale));
+}
+at::Tensor aten_math(const AtenArgs& a) {
+  return std::get<0>(at::_ops::_scaled_dot_product_attention_math::call(a.q, a.k, a.v, a.bias, 0.0, a.is_causal,
+                                                                        std::nullopt, a.scale, a.heads_form));
+}
+at::Tensor aten_flash(const AtenArgs& a) {
+  return std::get<0>(at::_ops::_scaled_dot_product_flash_attention::call(a.q, a.k, a.v, 0.0, a.is_causal, false, a.scale));
+}
+at::Tensor aten_efficient(const AtenArgs& a) {
+  return std::get<0>(at::_ops::_scaled_dot_product_efficient_attention::call(a.q, a.k, a.v, a.bias, a.requires_grad,
+                                                                             0.0, a.is_causal, a.scale));
+}
+at::Tensor aten_cudnn(const AtenArgs& a) {
+  return std::get<0>(at::_ops::_scaled_dot_product_cudnn_attention::call(a.q, a.k, a.v, a.bias, a.requires_grad, 0.0,
+                                                                         a.is_causal, false, a.scale));
 }
 
-at::Tensor run_kernel(const std::string& kernel, const AttentionCall& c, const KernelForm& f, const Masks& m) {
-  const bool heads_form = c.causal && f.G > 1;  // gates allow it only for aten_math
-  at::Tensor q = heads_form ? reshaped(f.q, {f.B, f.H * f.G, f.Tq, f.D}) : reshaped(f.q, {f.B, f.H, f.G * f.Tq, f.D});
-  at::Tensor k = reshaped(f.k, {f.B, f.H, f.Tk, f.D});
-  at::Tensor v = reshaped(f.v, {f.B, f.H, f.Tk, f.Dv});
-  q = unit_last_stride(q, "query");
-  k = unit_last_stride(k, "keys");
-  v = unit_last_stride(v, "values");
-  const bool is_causal = c.causal && !m.allowed;  // top-left, offset 0, no padding
-  const std::optional<double> scale = c.scale;
-  std::optional<at::Tensor> bias;
-  if (m.allowed) bias = aten_mask(*m.allowed, c, f);
-  if (kernel == "aten_flash_cpu")
-    return std::get<0>(at::_ops::_scaled_dot_product_flash_attention_for_cpu::call(q, k, v, 0.0, is_causal, bias, scale));
-  if (kernel == "aten_math")
-    return std::get<0>(at::_ops::_scaled_dot_product_attention_math::call(q, k, v, bias, 0.0, is_causal,
-                                                                          std::nullopt, scale, heads_form));
-  if (kernel == "aten_flash")
-    return std::get<0>(at::_ops::_scaled_dot_product_flash_attention::call(q, k, v, 0.0, is_causal, false, scale));
-  if (kernel == "aten_efficient")
-    return std::get<0>(at::_ops::_scaled_dot_product_efficient_attention::call(q, k, v, bias, f.requires_grad, 0.0,
-                                                                               is_causal, scale));
-  if (kernel == "aten_cudnn")
-    return std::get<0>(at::_ops::_scaled_dot_product_cudnn_attention::call(q, k, v, bias, f.requires_grad, 0.0,
-                                                                           is_causal, false, scale));
-  detail::fail(kOp, "internal error: no adapter for kernel ", kernel);
+// Roles -> kernel form -> `kernel` -> the call's output.
+Tensor run_aten(TorchBackend& be, const AttentionCall& c, const KernelEntry& entry, AtenKernel kernel) {
+  const detail::FlashLayout f = detail::flash_layout(c);
+  AtenArgs a;
+  a.heads_form = c.causal && f.G > 1;  // gates allow it only for aten_math
+  const detail::FlashInputs in = detail::flash_inputs(be, f, detail::aligned_inputs(c, f), memory_of_raw,
+                                                      a.heads_form ? detail::QueryForm::heads : detail::QueryForm::rows);
+  a.q = meeting(as_aten(in.q), entry.layout, "query");
+  a.k = meeting(as_aten(in.k), entry.layout, "keys");
+  a.v = meeting(as_aten(in.v), entry.layout, "values");
+  const Masks m = masks_of(c, f, a.q.options());
+  if (m.kv_valid) {
+    // Padding is not data: a masked weight is 0, but 0 * NaN is NaN, and a
+    // NaN energy plus the mask's -inf is NaN too, so padded keys and values
+    // (an uninitialised cache, say) are zeroed first, as the reference path
+    // and cpu_flash never read them (docs/errors.md).
+    const at::Tensor padded = m.kv_valid->logical_not();
+    a.k = a.k.masked_fill(padded, 0);
+    a.v = a.v.masked_fill(padded, 0);
+  }
+  a.is_causal = c.causal && !m.bias;  // top-left, offset 0, no padding
+  a.scale = c.scale;
+  a.bias = m.bias;
+  a.requires_grad = a.q.requires_grad() || a.k.requires_grad() || a.v.requires_grad();
+  at::Tensor out4;
+  try {
+    out4 = kernel(a);
+  } catch (const c10::Error& e) {
+    // A gate let through a call the kernel refuses: a bug in our gates, reported as such.
+    detail::fail(kOp, "kernel ", entry.name, " failed on a call its gate accepted (", e.what_without_backtrace(),
+                 "); force another kernel with DIMATTN_SDPA and report this");
+  }
+  if (m.row_ok) {
+    // Rows are (groups, Tq) or, in the heads form, Tq alone: zero the rows
+    // without any allowed kv position, per batch entry and query position.
+    const at::Tensor keep = a.heads_form ? m.row_ok->view({f.B, 1, f.Tq, 1}) : m.row_ok->view({f.B, 1, 1, f.Tq, 1});
+    const at::Tensor o = a.heads_form ? out4 : out4.reshape({f.B, f.Hkv, f.G, f.Tq, f.Dv});
+    out4 = o.masked_fill(keep.logical_not(), 0);
+  }
+  return detail::flash_output(be, c, f, wrap(out4));
 }
 
 // --- dimattn's own CPU kernel, with autograd ---
@@ -302,47 +283,56 @@ class CpuFlashFunction : public torch::autograd::Function<CpuFlashFunction> {
   }
 };
 
-Decision decide(const AttentionCall& c, const KernelForm& f) {
-  return select_kernel("torch", attention_params(c, f.layout, f.requires_grad), candidates(c.query.device().type));
+Tensor run_cpu_flash(Backend& be, const AttentionCall& c) {
+  auto& torch = static_cast<TorchBackend&>(be);
+  const detail::FlashLayout layout = detail::flash_layout(c);
+  const detail::FlashInputs in = detail::flash_inputs(be, c, layout);
+  at::Tensor out = CpuFlashFunction::apply(as_aten(in.q), as_aten(in.k), as_aten(in.v),
+                                           c10::make_intrusive<CpuFlashInfo>(&torch, c, layout));
+  return detail::flash_output(be, c, layout, wrap(out));
+}
+
+KernelEntry aten_entry(const char* name, DeviceType device, GateResult (*gate)(const AttentionParams&),
+                       AtenKernel kernel) {
+  // Every ATen kernel here reads the feature dim with unit stride.
+  KernelEntry e{name, device, gate, {.last_dim_unit_stride = true}, {}};
+  e.run = [e, kernel](Backend& be, const AttentionCall& c) {
+    return run_aten(static_cast<TorchBackend&>(be), c, e, kernel);
+  };
+  return e;
 }
 
 }  // namespace
 
-std::vector<std::string> TorchBackend::attention_kernels(Device device) const {
-  std::vector<std::string> names;
-  for (const auto& k : candidates(device.type)) names.push_back(k.name);
-  return names;
+const KernelTable& TorchBackend::attention_table() const {
+  using enum DeviceType;
+  static const KernelTable table = {
+      {"cpu_flash", cpu, detail::cpu_flash_gate, {.last_dim_unit_stride = true}, run_cpu_flash},
+      aten_entry("aten_flash_cpu", cpu, gate_flash_cpu, aten_flash_cpu),
+      aten_entry("aten_math", cpu, gate_math, aten_math),
+      reference_entry(cpu),
+      aten_entry("aten_cudnn", cuda, gate_cudnn, aten_cudnn),
+      aten_entry("aten_flash", cuda, gate_flash_cuda, aten_flash),
+      aten_entry("aten_efficient", cuda, gate_efficient, aten_efficient),
+      // After ATen's fused kernels until it is measured on a GPU
+      // (docs/backends.md); first for dropout, causal GQA and offsets.
+      {"cuda_flash", cuda, [](const AttentionParams& p) { return detail::cuda_flash_gate(p); },
+       {.last_dim_unit_stride = true},
+       [](Backend& be, const AttentionCall& c) { return cuda_flash_attention(static_cast<TorchBackend&>(be), c); }},
+      aten_entry("aten_math", cuda, gate_math, aten_math),
+      reference_entry(cuda),
+  };
+  return table;
 }
 
-Decision TorchBackend::explain_attention(const AttentionCall& call) { return decide(call, form_of(call)); }
-
-AttentionResult TorchBackend::scaled_dot_product_attention(const AttentionCall& c) {
-  const KernelForm f = form_of(c);
-  const Decision d = decide(c, f);
-  if (d.kernel == "reference") return reference_path(c);
-  if (d.kernel == "cpu_flash") {
-    const detail::FlashLayout layout = detail::flash_layout(c);
-    const detail::FlashInputs in = detail::flash_inputs(*this, c, layout);
-    at::Tensor out = CpuFlashFunction::apply(as_aten(in.q), as_aten(in.k), as_aten(in.v),
-                                             c10::make_intrusive<CpuFlashInfo>(this, c, layout));
-    return {detail::flash_output(*this, c, layout, wrap(out)), "cpu_flash"};
-  }
-  if (d.kernel == "cuda_flash") return cuda_flash_attention(*this, c);
-  const Masks m = masks_of(c);
-  at::Tensor out4;
-  try {
-    out4 = run_kernel(d.kernel, c, f, m);
-  } catch (const c10::Error& e) {
-    // A gate let through a call the kernel refuses: a bug in our gates, reported as such.
-    detail::fail(kOp, "kernel ", d.kernel, " failed on a call its gate accepted (", e.what_without_backtrace(),
-                 "); force another kernel with DIMATTN_SDPA and report this");
-  }
-  const Dims out_dims = join({f.mask_b, f.other_b, c.query_groups, {c.query_spatial}, c.value_feature});
-  std::vector<int64_t> shape;
-  for (const Dim& d : out_dims) shape.push_back(d.extent());
-  Tensor out(out_dims, c.query.dtype(), c.query.device(), wrap(out4.reshape(shape)), this);
-  if (m.row_ok) out = dimattn::where(*m.row_ok, out, 0.0);
-  return {out, d.kernel};
+// The layout class of the views every kernel here would read: q, k and v in
+// the fused kernels' form (adapters/cpu_flash_path.h, the one roles -> kernel
+// form mapping), before the 4-d merge.
+AttentionParams TorchBackend::attention_params_of(const AttentionCall& call) {
+  const detail::FlashInputs aligned = detail::aligned_inputs(call, detail::flash_layout(call));
+  const at::Tensor &q = as_aten(aligned.q), &k = as_aten(aligned.k), &v = as_aten(aligned.v);
+  return attention_params(call, classify_layout(view_of(q), view_of(k), view_of(v)),
+                          q.requires_grad() || k.requires_grad() || v.requires_grad());
 }
 
 }  // namespace dimattn::torch_backend

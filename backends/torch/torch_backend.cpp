@@ -1,7 +1,7 @@
 // The LibTorch backend: every primitive maps onto ATen ops, plus the public
 // interop (dimattn/torch_interop.h). The only TU of the backend's primitives:
 // LibTorch headers are slow to compile, so they are parsed once.
-#include "backends/torch/torch_backend.h"
+#include "torch_backend.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
@@ -27,11 +27,11 @@
 #include <utility>
 #include <vector>
 
-#include "backends/src/builtin_backends.h"
 #include "dimattn/error.h"
 #include "dimattn/registry.h"
-#include "backends/torch/include/dimattn/torch_interop.h"
-#include "backends/torch/torch_raw.h"
+#include "dimattn/torch_interop.h"
+#include "dimattn/internal/check.h"
+#include "torch_raw.h"
 
 namespace dimattn::torch_backend {
 namespace {
@@ -291,12 +291,12 @@ RawPtr TorchBackend::random(const Shape& shape, RandomKind kind, double a, doubl
   return guarded(op, [&] {
     check_shape(op, shape);
     check_device(op, device);
-    check(is_floating(dtype), op, "random values need a floating dtype, got ", dtype_name(dtype),
+    DIMATTN_CHECK(is_floating(dtype), op, "random values need a floating dtype, got ", dtype_name(dtype),
           "; draw floats and cast");
     if (kind == RandomKind::normal)
-      check(b >= 0, op, "normal: the standard deviation must be >= 0, got ", b);
+      DIMATTN_CHECK(b >= 0, op, "normal: the standard deviation must be >= 0, got ", b);
     else
-      check(a <= b, op, "uniform: needs low <= high, got [", a, ", ", b, ")");
+      DIMATTN_CHECK(a <= b, op, "uniform: needs low <= high, got [", a, ", ", b, ")");
     // One CPU generator in float64 whatever the target: the same seed gives
     // the same values for every dtype (up to rounding) and device.
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
@@ -322,8 +322,8 @@ RawPtr TorchBackend::random(const Shape& shape, RandomKind kind, double a, doubl
 RawPtr TorchBackend::arange(int64_t n, DType dtype, Device device) {
   const char* op = "torch.arange";
   return guarded(op, [&] {
-    check(n >= 0, op, "n must be >= 0, got ", n);
-    check(dtype != DType::boolean, op, "arange has no bool form; use int64 and compare");
+    DIMATTN_CHECK(n >= 0, op, "n must be >= 0, got ", n);
+    DIMATTN_CHECK(dtype != DType::boolean, op, "arange has no bool form; use int64 and compare");
     check_device(op, device);
     return wrap(make_arange(n, aten_dtype(dtype), aten_device(device)));
   });
@@ -404,7 +404,7 @@ RawPtr TorchBackend::expand(const RawPtr& rx, const Shape& shape) {
 RawPtr TorchBackend::concat(const std::vector<RawPtr>& xs, int axis) {
   const char* op = "torch.concat";
   return guarded(op, xs, [&] {
-    check(!xs.empty(), op, "needs at least one tensor");
+    DIMATTN_CHECK(!xs.empty(), op, "needs at least one tensor");
     std::vector<at::Tensor> ts;
     ts.reserve(xs.size());
     for (const auto& r : xs) ts.push_back(as_aten(r, op));
@@ -489,7 +489,7 @@ RawPtr TorchBackend::unary(UnaryOp uop, const RawPtr& rx) {
     const at::Tensor& x = as_aten(rx, op);
     switch (uop) {
       case UnaryOp::neg:
-        check(x.scalar_type() != at::kBool, op, "neg of a bool tensor; use logical_not");
+        DIMATTN_CHECK(x.scalar_type() != at::kBool, op, "neg of a bool tensor; use logical_not");
         return wrap(x.neg());
       case UnaryOp::exp: check_floating(op, x, "exp"); return wrap(x.exp());
       case UnaryOp::log: check_floating(op, x, "log"); return wrap(x.log());
@@ -618,9 +618,11 @@ void TorchBackend::backward(const RawPtr& rscalar) {
 
 // --- registration ---
 
-namespace dimattn::detail {
-void register_torch_backend() { register_backend(std::make_unique<torch_backend::TorchBackend>()); }
-}  // namespace dimattn::detail
+namespace dimattn::torch_backend {
+namespace {
+const BuiltinBackend kRegistered(0, [] { return std::unique_ptr<Backend>(new TorchBackend); });
+}  // namespace
+}  // namespace dimattn::torch_backend
 
 // --- public interop (dimattn/torch_interop.h) ---
 
@@ -629,7 +631,7 @@ namespace dimattn {
 Tensor from_aten(const at::Tensor& t, const Dims& dims) {
   using namespace torch_backend;
   const char* op = "from_aten";
-  check(t.defined(), op, "the ATen tensor is undefined");
+  DIMATTN_CHECK(t.defined(), op, "the ATen tensor is undefined");
   if (t.dim() != static_cast<int64_t>(dims.size()))
     detail::fail(op, "the ATen tensor has rank ", t.dim(), " (sizes ", sizes_str(t.sizes()), ") but ", dims.size(),
                  " dims were given: ", repr(dims));

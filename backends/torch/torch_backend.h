@@ -1,13 +1,13 @@
 #pragma once
 // The LibTorch backend ("torch"): every primitive maps to ATen ops, autograd
 // is ATen's. Declared here, free of ATen headers, so that a fast-path file can
-// override scaled_dot_product_attention without re-reading the primitives.
+// add the attention kernels without re-reading the primitives.
 // ATen errors (c10::Error) never leave a primitive: they are rethrown as
 // dimattn::Error "[torch.<primitive>] ...".
 #include <string>
 #include <vector>
 
-#include "dimattn/backend.h"
+#include "dimattn/ext/backend.h"
 
 namespace dimattn::torch_backend {
 
@@ -52,11 +52,10 @@ class TorchBackend : public Backend {
   RawPtr grad(const RawPtr& x) override;
   void backward(const RawPtr& scalar) override;
 
-  // The fast path (torch_attention.cpp): ATen's SDPA kernels behind kernel
-  // selection, falling back to the reference path.
-  AttentionResult scaled_dot_product_attention(const AttentionCall& call) override;
-  Decision explain_attention(const AttentionCall& call) override;
-  std::vector<std::string> attention_kernels(Device device) const override;
+  // The fast paths (torch_attention.cpp): ATen's SDPA kernels and dimattn's
+  // own, behind kernel selection.
+  const KernelTable& attention_table() const override;
+  AttentionParams attention_params_of(const AttentionCall& call) override;
 };
 
 }  // namespace dimattn::torch_backend

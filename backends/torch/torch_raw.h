@@ -1,7 +1,9 @@
 #pragma once
 // The torch backend's raw tensor and the conversions between dimattn's and
-// ATen's dtypes and devices. Private to backends/torch: the backend, its
-// interop and (later) its SDPA fast path share these.
+// ATen's dtypes and devices. Private to backends/torch: the primitives and
+// the public interop (torch_backend.cpp), the SDPA kernel table
+// (torch_attention.cpp) and the cuda_flash path (cuda_flash_path.cpp) share
+// these.
 #include <ATen/core/Tensor.h>
 
 #include <memory>
@@ -9,7 +11,9 @@
 
 #include "dimattn/dtype.h"
 #include "dimattn/error.h"
+#include "dimattn/ext/backend.h"
 #include "dimattn/tensor.h"
+#include "dimattn/internal/check.h"
 
 namespace dimattn::torch_backend {
 
@@ -21,9 +25,9 @@ struct TorchRaw final : RawTensor {
 // The ATen tensor inside a raw made by the torch backend. `op` starts the
 // error message ("[op] ..."), so primitives can name themselves.
 inline const at::Tensor& as_aten(const RawPtr& x, const char* op = "torch") {
-  check(x != nullptr, op, "got a null raw tensor");
+  DIMATTN_CHECK(x != nullptr, op, "got a null raw tensor");
   const auto* raw = dynamic_cast<const TorchRaw*>(x.get());
-  check(raw != nullptr, op,
+  DIMATTN_CHECK(raw != nullptr, op,
         "the raw tensor belongs to another backend, not 'torch'; convert the tensor first with "
         "to_backend(x, \"torch\")");
   return raw->t;
@@ -31,7 +35,7 @@ inline const at::Tensor& as_aten(const RawPtr& x, const char* op = "torch") {
 
 // pre: t is defined.
 inline RawPtr wrap(at::Tensor t) {
-  check(t.defined(), "torch", "internal error: wrapping an undefined ATen tensor");
+  DIMATTN_CHECK(t.defined(), "torch", "internal error: wrapping an undefined ATen tensor");
   return std::make_shared<TorchRaw>(std::move(t));
 }
 
@@ -85,5 +89,12 @@ inline Device dimattn_device(const c10::Device& d, const char* op = "torch") {
   if (d.is_cuda()) return Device{DeviceType::cuda, d.has_index() ? static_cast<int>(d.index()) : 0};
   detail::fail(op, "ATen device ", d.str(), " is not supported; dimattn has cpu and cuda");
 }
+
+// A tensor's memory as dimattn's kernels read it, on any device: the
+// at::Tensor's own pointer, sizes and strides.
+inline HostView memory_of(const at::Tensor& t) {
+  return HostView{t.data_ptr(), t.sizes().vec(), t.strides().vec(), dimattn_dtype(t.scalar_type())};
+}
+inline HostView memory_of_raw(const RawPtr& x) { return memory_of(as_aten(x)); }
 
 }  // namespace dimattn::torch_backend

@@ -3,13 +3,14 @@
 
 #include <cmath>
 
-#include "dimattn/backend.h"
+#include "dimattn/ext/backend.h"
 #include "dimattn/forcing.h"
 #include "dimattn/run_context.h"
 #include "dimattn/trace.h"
-#include "frontend/src/attention_reference.h"
-#include "frontend/src/attention_roles.h"
-#include "frontend/src/op_util.h"
+#include "dimattn/internal/check.h"
+#include "attention_reference.h"
+#include "attention_roles.h"
+#include "op_util.h"
 
 namespace dimattn {
 using namespace detail;
@@ -162,7 +163,7 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
 Decision explain_attention(const Tensor& query, const Tensor& keys, const Tensor& values,
                            const AttentionOptions& opts) {
   const AttentionCall call = prepare(query, keys, values, opts).call;
-  return query.backend().explain_attention(call);
+  return query.backend().decide_attention(call);
 }
 
 Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& o) {
@@ -175,11 +176,11 @@ Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& valu
 
   if (TraceScope::capturing()) {
     const KernelForce force = current_kernel_force();
-    DIMATTN_CHECK(force.allows("reference"), kOp, "a TraceScope capturing energies needs the reference path, but kernels are ",
+    DIMATTN_CHECK(force.allows(kReferenceKernel), kOp, "a TraceScope capturing energies needs the reference path, but kernels are ",
                   "forced to '", force.describe(), "'; use TraceScope(false) to trace only kernel names");
     ReferenceAttention ref = reference_attention(call);
     Tensor out = restore(ref.output);
-    TraceScope::record({"reference", out, restore(ref.energy), restore(ref.att_weights), q.shape(), k.shape(),
+    TraceScope::record({kReferenceKernel, out, restore(ref.energy), restore(ref.att_weights), q.shape(), k.shape(),
                         v.shape()});
     return out;
   }
@@ -190,16 +191,19 @@ Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& valu
     // T = 0). It runs the reference path, which every backend has and which
     // keeps autograd connected; selection still runs first, so that forcing
     // a kernel that cannot take the call fails as it would for any size.
-    query.backend().explain_attention(call);
+    query.backend().decide_attention(call);
     Tensor out = restore(reference_attention(call).output);
     if (TraceScope::active())
-      TraceScope::record({"reference", out, std::nullopt, std::nullopt, q.shape(), k.shape(), v.shape()});
+      TraceScope::record({kReferenceKernel, out, std::nullopt, std::nullopt, q.shape(), k.shape(), v.shape()});
     return out;
   }
-  AttentionResult r = query.backend().scaled_dot_product_attention(call);
-  Tensor out = restore(r.output);
+  // dot_attention owns the choice: the backend decides, the reference path
+  // runs here, a fused kernel in the backend.
+  Backend& be = query.backend();
+  const Decision d = be.decide_attention(call);
+  Tensor out = restore(d.kernel == kReferenceKernel ? reference_attention(call).output : be.run_attention(call, d.kernel));
   if (TraceScope::active())
-    TraceScope::record({r.kernel, out, std::nullopt, std::nullopt, q.shape(), k.shape(), v.shape()});
+    TraceScope::record({d.kernel, out, std::nullopt, std::nullopt, q.shape(), k.shape(), v.shape()});
   return out;
 }
 

@@ -1,27 +1,29 @@
-#include "frontend/src/attention_reference.h"
+#include "attention_reference.h"
 
 #include <atomic>
 #include <cstdlib>
 #include <limits>
 
 #include "dimattn/attention.h"
-#include "dimattn/backend.h"
+#include "dimattn/ext/backend.h"
 #include "dimattn/forcing.h"
 #include "dimattn/selection.h"
 #include "dimattn/ops.h"
-#include "frontend/src/op_util.h"
-#include "kernels/common/philox.h"
+#include "dimattn/internal/check.h"
+#include "op_util.h"
+#include "common/attention_mask.h"
 
 namespace dimattn {
 
 Tensor attention_dropout_keep_mask(const AttentionCall& c, const Tensor& like) {
-  const double p = c.dropout;
+  // The one keep rule and keying of the fused kernels (common/attention_mask.h).
+  const kernels::DropoutRule rule = kernels::dropout_rule(c.dropout);
+  const auto offset = static_cast<uint32_t>(c.dropout_offset);
   const int64_t nk = c.kv_spatial.extent();
   if (c.dropout_broadcast) {
     std::vector<double> keep(nk);
     for (int64_t k = 0; k < nk; ++k)
-      keep[k] = kernels::dropout_uniform_broadcast(c.dropout_seed, static_cast<uint32_t>(c.dropout_offset),
-                                                   static_cast<uint32_t>(k)) >= p;
+      keep[k] = rule.keeps(kernels::dropout_words_broadcast(c.dropout_seed, offset, static_cast<uint32_t>(k)).v[k & 3]);
     return from_host({c.kv_spatial}, keep, detail::options_like(like, DType::boolean));
   }
   Dims flat = c.batch;
@@ -35,9 +37,9 @@ Tensor attention_dropout_keep_mask(const AttentionCall& c, const Tensor& like) {
   for (int64_t bh = 0; bh < nbh; ++bh)
     for (int64_t q = 0; q < nq; ++q)
       for (int64_t k = 0; k < nk; ++k)
-        keep[i++] = kernels::dropout_uniform(c.dropout_seed, static_cast<uint32_t>(c.dropout_offset),
-                                             static_cast<uint32_t>(bh), static_cast<uint32_t>(q),
-                                             static_cast<uint32_t>(k)) >= p;
+        keep[i++] = rule.keeps(kernels::dropout_words(c.dropout_seed, offset, static_cast<uint32_t>(bh),
+                                                      static_cast<uint32_t>(q), static_cast<uint32_t>(k))
+                                   .v[k & 3]);
   Dims dims = flat;
   dims.push_back(c.query_spatial);
   dims.push_back(c.kv_spatial);
@@ -68,7 +70,7 @@ ReferenceAttention reference_attention(const AttentionCall& c) {
   energy_dims.insert(energy_dims.end(), {c.query_spatial, c.kv_spatial});
   double bytes = dtype_size(dt);
   for (const Dim& d : energy_dims) bytes *= static_cast<double>(d.extent());
-  check(bytes <= static_cast<double>(reference_memory_limit()), "dot_attention", "the reference path would hold an ",
+  DIMATTN_CHECK(bytes <= static_cast<double>(reference_memory_limit()), "dot_attention", "the reference path would hold an ",
         "energy tensor ", repr(energy_dims), " of ", bytes / (1 << 20), " MiB, over the limit of ",
         reference_memory_limit() / (1 << 20), " MiB (set_reference_memory_limit, DIMATTN_REFERENCE_MAX_BYTES); ",
         "use a fused kernel (force 'auto'), shorter sequences or chunks");
@@ -101,31 +103,12 @@ ReferenceAttention reference_attention(const AttentionCall& c) {
   }
   if (c.dropout > 0) {
     Tensor keep = attention_dropout_keep_mask(c, weights);
-    weights = where(keep, mul(weights, 1.0 / (1.0 - c.dropout)), 0.0);
+    weights = where(keep, mul(weights, kernels::dropout_rule(c.dropout).keep_scale), 0.0);
   }
   Tensor out = cast(matmul(weights, v, {c.kv_spatial}), in_dtype);
   return {out, energy, weights};
 }
 
 }  // namespace detail
-
-// Backends without fast paths: the reference path is the only candidate.
-Decision Backend::explain_attention(const AttentionCall& call) {
-  static const std::vector<KernelCandidate> candidates = {{"reference", [](const AttentionParams&) {
-                                                             return GateResult::pass();
-                                                           }}};
-  return select_kernel(name(), attention_params(call, LayoutClass::separate, false), candidates);
-}
-
-std::vector<std::string> Backend::attention_kernels(Device) const { return {"reference"}; }
-
-AttentionResult Backend::reference_path(const AttentionCall& call) {
-  return {detail::reference_attention(call).output, "reference"};
-}
-
-AttentionResult Backend::scaled_dot_product_attention(const AttentionCall& call) {
-  explain_attention(call);  // throws when forcing excludes the reference path
-  return reference_path(call);
-}
 
 }  // namespace dimattn

@@ -1,7 +1,7 @@
 #pragma once
 // The reference path of dot_attention, written once on the named ops, run by
 // every backend: scale query -> matmul -> masks -> softmax -> dropout -> matmul.
-#include "dimattn/attention_call.h"
+#include "dimattn/ext/attention_call.h"
 
 namespace dimattn::detail {
 

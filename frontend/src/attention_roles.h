@@ -2,7 +2,7 @@
 // Names -> roles for one dot_attention call (frontend/src/attention.cpp),
 // shared by dot_attention, explain_attention and dot_attention_backward.
 #include "dimattn/attention.h"
-#include "dimattn/attention_call.h"
+#include "dimattn/ext/attention_call.h"
 
 namespace dimattn::detail {
 

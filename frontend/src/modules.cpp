@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "dimattn/error.h"
+#include "dimattn/internal/check.h"
 
 namespace dimattn {
 
@@ -14,12 +15,12 @@ Tensor init_uniform(const Dims& dims, int64_t fan_in, uint64_t seed, const Tenso
 }
 
 Dim per_head(const char* module, const Dim& total, const Dim& heads) {
-  check(total.extent() % heads.extent() == 0, module, "dim ", total.repr(), " is not divisible by ", heads.repr());
+  DIMATTN_CHECK(total.extent() % heads.extent() == 0, module, "dim ", total.repr(), " is not divisible by ", heads.repr());
   return total.divide_by(heads);
 }
 
 Dim heads_dim(const AttentionConfig& c) {
-  check(c.num_heads > 0, "SelfAttention", "num_heads must be positive, got ", c.num_heads);
+  DIMATTN_CHECK(c.num_heads > 0, "SelfAttention", "num_heads must be positive, got ", c.num_heads);
   return Dim("num_heads", c.num_heads);
 }
 
@@ -45,7 +46,7 @@ Linear::Linear(Dim in, Dim out, uint64_t seed, const TensorOptions& opts, bool w
 }
 
 Tensor Linear::operator()(const Tensor& x) const {
-  check(x.has(in_dim), "Linear", "input ", repr(x.dims()), " lacks the in dim ", in_dim.repr());
+  DIMATTN_CHECK(x.has(in_dim), "Linear", "input ", repr(x.dims()), " lacks the in dim ", in_dim.repr());
   Tensor y = matmul(x, weight, {in_dim});
   return bias ? add(y, *bias) : y;
 }
@@ -120,7 +121,7 @@ std::pair<Tensor, CausalSelfAttention::State> CausalSelfAttention::step(const Te
 
 std::pair<Tensor, CausalSelfAttention::State> CausalSelfAttention::chunk(const Tensor& x, const Dim& axis,
                                                                          const State& state) const {
-  check(x.has(axis), "CausalSelfAttention", "chunk axis ", axis.repr(), " is not in ", repr(x.dims()));
+  DIMATTN_CHECK(x.has(axis), "CausalSelfAttention", "chunk axis ", axis.repr(), " is not in ", repr(x.dims()));
   auto [q, k, v] = project_qkv(x);
   return extend(q, k, v, axis, state, true);
 }
@@ -137,7 +138,7 @@ CrossAttention::CrossAttention(const AttentionConfig& c, Dim enc)
       proj(c.value_dim_total, c.proj_dim, c.seed + 2, c.opts) {}
 
 CrossAttention::State CrossAttention::transform_encoder(const Tensor& encoder, const Dim& axis) const {
-  check(encoder.has(axis), "CrossAttention", "encoder axis ", axis.repr(), " is not in ", repr(encoder.dims()));
+  DIMATTN_CHECK(encoder.has(axis), "CrossAttention", "encoder axis ", axis.repr(), " is not in ", repr(encoder.dims()));
   Tensor fused = split_dims(kv(encoder), kv.out_dim, {heads, kv_dim_per_head});
   return {part(fused, kv_dim_per_head, 0, key_dim_per_head),
           part(fused, kv_dim_per_head, key_dim_per_head.extent(), value_dim_per_head), axis};

@@ -2,7 +2,7 @@
 // Helpers shared by the named ops: operand checks and the name -> axis mapping.
 #include <initializer_list>
 
-#include "dimattn/backend.h"
+#include "dimattn/ext/backend.h"
 #include "dimattn/error.h"
 #include "dimattn/ops.h"
 #include "dimattn/tensor.h"
@@ -25,9 +25,5 @@ Dims without(const Dims& dims, const Dims& remove);
 // A rank-0 tensor with x's dtype, device and backend.
 Tensor scalar_like(const Tensor& x, double value);
 
-// x's raw tensor with its dims permuted into their order in `order` and a
-// size-1 axis for each dim of `order` that x lacks (broadcast to the dim's
-// extent when expand). pre: every dim of x is in order.
-RawPtr aligned_raw(const char* op, const Tensor& x, const Dims& order, bool expand);
 
 }  // namespace dimattn::detail

@@ -2,7 +2,8 @@
 #include <cmath>
 
 #include "dimattn/registry.h"
-#include "frontend/src/op_util.h"
+#include "dimattn/internal/check.h"
+#include "op_util.h"
 
 namespace dimattn {
 namespace detail {
@@ -10,9 +11,9 @@ namespace detail {
 Backend& common_backend(const char* op, std::initializer_list<const Tensor*> operands) {
   const Tensor* first = *operands.begin();
   for (const Tensor* t : operands) {
-    check(&t->backend() == &first->backend(), op, "operands live on different backends: ", first->repr(),
+    DIMATTN_CHECK(&t->backend() == &first->backend(), op, "operands live on different backends: ", first->repr(),
           " and ", t->repr(), "; convert one with to_backend(x, \"", first->backend().name(), "\")");
-    check(t->device() == first->device(), op, "operands live on different devices: ", first->repr(), " and ",
+    DIMATTN_CHECK(t->device() == first->device(), op, "operands live on different devices: ", first->repr(), " and ",
           t->repr(), "; move one with to_device");
   }
   return first->backend();
@@ -21,7 +22,7 @@ Backend& common_backend(const char* op, std::initializer_list<const Tensor*> ope
 void check_same_dtype(const char* op, std::initializer_list<const Tensor*> operands) {
   const Tensor* first = *operands.begin();
   for (const Tensor* t : operands)
-    check(t->dtype() == first->dtype(), op, "operands have different dtypes: ", first->repr(), " and ",
+    DIMATTN_CHECK(t->dtype() == first->dtype(), op, "operands have different dtypes: ", first->repr(), " and ",
           t->repr(), "; cast one with cast(x, ", dtype_name(first->dtype()), ")");
 }
 
@@ -29,7 +30,7 @@ TensorOptions options_like(const Tensor& x, DType dtype) { return {dtype, x.devi
 TensorOptions options_like(const Tensor& x) { return options_like(x, x.dtype()); }
 
 void check_has(const char* op, const Tensor& x, const Dim& d, const char* role) {
-  check(x.has(d), op, role, " ", d.repr(), " is not a dim of ", repr(x.dims()));
+  DIMATTN_CHECK(x.has(d), op, role, " ", d.repr(), " is not a dim of ", repr(x.dims()));
 }
 
 Dims union_dims(const Dims& a, const Dims& b) {
@@ -48,28 +49,6 @@ Dims without(const Dims& dims, const Dims& remove) {
 
 Tensor scalar_like(const Tensor& x, double value) { return full({}, value, options_like(x)); }
 
-RawPtr aligned_raw(const char* op, const Tensor& x, const Dims& order, bool expand) {
-  for (const Dim& d : x.dims())
-    check(contains(order, d), op, "dim ", d.repr(), " of ", repr(x.dims()), " is missing from ", repr(order));
-  Backend& b = x.backend();
-  RawPtr raw = x.raw();
-  // Permute x's own dims into the order they take in `order`.
-  std::vector<int> perm;
-  for (const Dim& d : order)
-    if (int a = x.axis_of(d); a >= 0) perm.push_back(a);
-  bool identity = true;
-  for (size_t i = 0; i < perm.size(); ++i) identity = identity && perm[i] == static_cast<int>(i);
-  if (!identity) raw = b.permute(raw, perm);
-  if (order.size() == x.dims().size()) return raw;
-  Shape ones, full_shape;
-  for (const Dim& d : order) {
-    ones.push_back(x.has(d) ? d.extent() : 1);
-    full_shape.push_back(d.extent());
-  }
-  raw = b.reshape(raw, ones);
-  return expand ? b.expand(raw, full_shape) : raw;
-}
-
 }  // namespace detail
 
 using namespace detail;
@@ -84,7 +63,7 @@ Backend& backend_for(const TensorOptions& opts, const char* op) {
     detail::fail(op, "no backend named '", opts.backend, "'; registered: ", names.empty() ? "none" : names);
   }
   Backend& b = opts.backend.empty() ? default_backend() : get_backend(opts.backend);
-  check(b.supports(opts.device), op, "backend '", b.name(), "' does not support device ", device_name(opts.device));
+  DIMATTN_CHECK(b.supports(opts.device), op, "backend '", b.name(), "' does not support device ", device_name(opts.device));
   return b;
 }
 
@@ -97,7 +76,7 @@ Shape extents(const Dims& dims) {
 void check_unique(const char* op, const Dims& dims) {
   for (size_t i = 0; i < dims.size(); ++i)
     for (size_t j = i + 1; j < dims.size(); ++j)
-      check(dims[i] != dims[j], op, "dim ", dims[i].repr(), " appears twice in ", repr(dims));
+      DIMATTN_CHECK(dims[i] != dims[j], op, "dim ", dims[i].repr(), " appears twice in ", repr(dims));
 }
 
 }  // namespace
@@ -117,8 +96,8 @@ Tensor scalar(double value, const TensorOptions& opts) { return full_as("scalar"
 
 Tensor random_normal(const Dims& dims, uint64_t seed, const TensorOptions& opts, double mean, double stddev) {
   check_unique("random_normal", dims);
-  check(is_floating(opts.dtype), "random_normal", "needs a floating dtype, got ", dtype_name(opts.dtype));
-  check(std::isfinite(mean) && std::isfinite(stddev) && stddev >= 0, "random_normal",
+  DIMATTN_CHECK(is_floating(opts.dtype), "random_normal", "needs a floating dtype, got ", dtype_name(opts.dtype));
+  DIMATTN_CHECK(std::isfinite(mean) && std::isfinite(stddev) && stddev >= 0, "random_normal",
         "needs finite mean and stddev >= 0, got mean ", mean, " stddev ", stddev);
   Backend& b = backend_for(opts, "random_normal");
   return Tensor(dims, opts.dtype, opts.device,
@@ -127,8 +106,8 @@ Tensor random_normal(const Dims& dims, uint64_t seed, const TensorOptions& opts,
 
 Tensor random_uniform(const Dims& dims, uint64_t seed, const TensorOptions& opts, double low, double high) {
   check_unique("random_uniform", dims);
-  check(is_floating(opts.dtype), "random_uniform", "needs a floating dtype, got ", dtype_name(opts.dtype));
-  check(std::isfinite(low) && std::isfinite(high) && low <= high, "random_uniform",
+  DIMATTN_CHECK(is_floating(opts.dtype), "random_uniform", "needs a floating dtype, got ", dtype_name(opts.dtype));
+  DIMATTN_CHECK(std::isfinite(low) && std::isfinite(high) && low <= high, "random_uniform",
         "needs finite low <= high, got [", low, ", ", high, ")");
   Backend& b = backend_for(opts, "random_uniform");
   return Tensor(dims, opts.dtype, opts.device,
@@ -139,7 +118,7 @@ Tensor from_host(const Dims& dims, const std::vector<double>& data, const Tensor
   check_unique("from_host", dims);
   int64_t n = 1;
   for (const Dim& d : dims) n *= d.extent();
-  check(static_cast<int64_t>(data.size()) == n, "from_host", "dims ", repr(dims), " hold ", n,
+  DIMATTN_CHECK(static_cast<int64_t>(data.size()) == n, "from_host", "dims ", repr(dims), " hold ", n,
         " elements but ", data.size(), " values were given");
   Backend& b = backend_for(opts, "from_host");
   return Tensor(dims, opts.dtype, opts.device, b.from_host(extents(dims), data, opts.dtype, opts.device), &b);
@@ -148,13 +127,13 @@ Tensor from_host(const Dims& dims, const std::vector<double>& data, const Tensor
 std::vector<double> to_host(const Tensor& x, const std::optional<Dims>& order) {
   if (!order || *order == x.dims()) return x.backend().to_host(x.raw());
   // Checked here too so that the message names to_host, not copy_transpose.
-  check(order->size() == x.dims().size() && without(x.dims(), *order).empty(), "to_host", "order ", repr(*order),
+  DIMATTN_CHECK(order->size() == x.dims().size() && without(x.dims(), *order).empty(), "to_host", "order ", repr(*order),
         " is not a permutation of ", repr(x.dims()));
   return x.backend().to_host(copy_transpose(x, *order).raw());
 }
 
 double item(const Tensor& x) {
-  check(x.rank() == 0, "item", "needs a scalar (rank-0) tensor, got ", repr(x.dims()));
+  DIMATTN_CHECK(x.rank() == 0, "item", "needs a scalar (rank-0) tensor, got ", repr(x.dims()));
   return to_host(x)[0];
 }
 
@@ -165,14 +144,14 @@ Tensor cast(const Tensor& x, DType dtype) {
 
 Tensor to_device(const Tensor& x, Device device) {
   if (device == x.device()) return x;
-  check(x.backend().supports(device), "to_device", "backend '", x.backend().name(), "' does not support device ",
+  DIMATTN_CHECK(x.backend().supports(device), "to_device", "backend '", x.backend().name(), "' does not support device ",
         device_name(device));
   return Tensor(x.dims(), x.dtype(), device, x.backend().to_device(x.raw(), device), &x.backend());
 }
 
 Tensor to_backend(const Tensor& x, const std::string& backend) {
   if (backend == x.backend().name()) return x;
-  check(has_backend(backend), "to_backend", "no backend named '", backend, "' to move ", x.repr(), " to");
+  DIMATTN_CHECK(has_backend(backend), "to_backend", "no backend named '", backend, "' to move ", x.repr(), " to");
   Backend& b = get_backend(backend);
   Device device = x.device();
   if (!b.supports(device)) device = kCPU;  // e.g. eigen is CPU-only: land on its device
@@ -180,20 +159,20 @@ Tensor to_backend(const Tensor& x, const std::string& backend) {
 }
 
 Tensor copy_transpose(const Tensor& x, const Dims& order) {
-  check(order.size() == x.dims().size() && without(x.dims(), order).empty(), "copy_transpose", "order ",
+  DIMATTN_CHECK(order.size() == x.dims().size() && without(x.dims(), order).empty(), "copy_transpose", "order ",
         repr(order), " is not a permutation of ", repr(x.dims()));
   check_unique("copy_transpose", order);
-  return Tensor(order, x.dtype(), x.device(), aligned_raw("copy_transpose", x, order, false), &x.backend());
+  return Tensor(order, x.dtype(), x.device(), raw_in_order("copy_transpose", x, order, false), &x.backend());
 }
 
 Tensor align(const Tensor& x, const Dims& order) {
   check_unique("align", order);  // else the Tensor constructor would report it as [Tensor]
-  return Tensor(order, x.dtype(), x.device(), aligned_raw("align", x, order, true), &x.backend());
+  return Tensor(order, x.dtype(), x.device(), raw_in_order("align", x, order, true), &x.backend());
 }
 
 Tensor range_over_dim(const Dim& dim, const TensorOptions& opts) {
   // Checked here: the backends disagreed (eigen made 0, 1, 1, ..., torch refused).
-  check(opts.dtype != DType::boolean, "range_over_dim", "needs a numeric dtype, got bool for ", dim.repr());
+  DIMATTN_CHECK(opts.dtype != DType::boolean, "range_over_dim", "needs a numeric dtype, got bool for ", dim.repr());
   Backend& b = backend_for(opts, "range_over_dim");
   return Tensor({dim}, opts.dtype, opts.device, b.arange(dim.extent(), opts.dtype, opts.device), &b);
 }

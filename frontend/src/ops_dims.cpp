@@ -1,5 +1,6 @@
 // Ops that relabel, merge, split, add, remove, join, cut or pick along dims.
-#include "frontend/src/op_util.h"
+#include "op_util.h"
+#include "dimattn/internal/check.h"
 
 namespace dimattn {
 using namespace detail;
@@ -16,7 +17,7 @@ Shape extents(const Dims& dims) {
 void check_unique(const char* op, const Dims& dims) {
   for (size_t i = 0; i < dims.size(); ++i)
     for (size_t j = i + 1; j < dims.size(); ++j)
-      check(dims[i] != dims[j], op, "dim ", dims[i].repr(), " appears twice in ", repr(dims));
+      DIMATTN_CHECK(dims[i] != dims[j], op, "dim ", dims[i].repr(), " appears twice in ", repr(dims));
 }
 
 int64_t product(const Dims& dims) {
@@ -34,8 +35,8 @@ Tensor with_raw(const Tensor& like, Dims dims, RawPtr raw) {
 Tensor replace_dim(const Tensor& x, const Dim& old_dim, const Dim& new_dim) {
   check_has("replace_dim", x, old_dim, "dim");
   if (old_dim == new_dim) return x;
-  check(!x.has(new_dim), "replace_dim", "new dim ", new_dim.repr(), " is already in ", repr(x.dims()));
-  check(old_dim.extent() == new_dim.extent(), "replace_dim", "extents differ: ", old_dim.repr(), " vs ",
+  DIMATTN_CHECK(!x.has(new_dim), "replace_dim", "new dim ", new_dim.repr(), " is already in ", repr(x.dims()));
+  DIMATTN_CHECK(old_dim.extent() == new_dim.extent(), "replace_dim", "extents differ: ", old_dim.repr(), " vs ",
         new_dim.repr());
   Dims dims = x.dims();
   dims[x.axis_of(old_dim)] = new_dim;
@@ -43,7 +44,7 @@ Tensor replace_dim(const Tensor& x, const Dim& old_dim, const Dim& new_dim) {
 }
 
 std::pair<Tensor, Dim> merge_dims(const Tensor& x, const Dims& dims, const std::optional<Dim>& out) {
-  check(!dims.empty(), "merge_dims", "needs at least one dim to merge");
+  DIMATTN_CHECK(!dims.empty(), "merge_dims", "needs at least one dim to merge");
   check_unique("merge_dims", dims);
   std::string name;
   for (const Dim& d : dims) {
@@ -52,30 +53,30 @@ std::pair<Tensor, Dim> merge_dims(const Tensor& x, const Dims& dims, const std::
   }
   // Merged padding positions stay in the data; the merged dim is static.
   Dim merged = out.value_or(Dim(name, product(dims)));
-  check(merged.extent() == product(dims), "merge_dims", "out dim ", merged.repr(), " does not have the extent ",
+  DIMATTN_CHECK(merged.extent() == product(dims), "merge_dims", "out dim ", merged.repr(), " does not have the extent ",
         product(dims), " of ", repr(dims));
   Dims rest = without(x.dims(), dims);
-  check(!contains(rest, merged), "merge_dims", "out dim ", merged.repr(), " is already in ", repr(x.dims()));
+  DIMATTN_CHECK(!contains(rest, merged), "merge_dims", "out dim ", merged.repr(), " is already in ", repr(x.dims()));
   Dims order = rest;
   order.insert(order.end(), dims.begin(), dims.end());
   Shape shape = extents(rest);
   shape.push_back(merged.extent());
   rest.push_back(merged);
-  RawPtr raw = x.backend().reshape(aligned_raw("merge_dims", x, order, false), shape);
+  RawPtr raw = x.backend().reshape(raw_in_order("merge_dims", x, order, false), shape);
   return {with_raw(x, rest, raw), merged};
 }
 
 Tensor split_dims(const Tensor& x, const Dim& axis, const Dims& dims) {
   check_has("split_dims", x, axis, "axis");
   check_unique("split_dims", dims);
-  check(product(dims) == axis.extent(), "split_dims", "cannot split ", axis.repr(), " into ", repr(dims),
+  DIMATTN_CHECK(product(dims) == axis.extent(), "split_dims", "cannot split ", axis.repr(), " into ", repr(dims),
         ": extents multiply to ", product(dims));
   Dims out;
   for (const Dim& d : x.dims()) {
     if (d == axis) {
       out.insert(out.end(), dims.begin(), dims.end());
     } else {
-      check(!contains(dims, d), "split_dims", "dim ", d.repr(), " is already in ", repr(x.dims()));
+      DIMATTN_CHECK(!contains(dims, d), "split_dims", "dim ", d.repr(), " is already in ", repr(x.dims()));
       out.push_back(d);
     }
   }
@@ -83,7 +84,7 @@ Tensor split_dims(const Tensor& x, const Dim& axis, const Dims& dims) {
 }
 
 Tensor expand_dim(const Tensor& x, const Dim& dim) {
-  check(!x.has(dim), "expand_dim", "dim ", dim.repr(), " is already in ", repr(x.dims()));
+  DIMATTN_CHECK(!x.has(dim), "expand_dim", "dim ", dim.repr(), " is already in ", repr(x.dims()));
   Dims out = {dim};
   out.insert(out.end(), x.dims().begin(), x.dims().end());
   return align(x, out);
@@ -91,13 +92,13 @@ Tensor expand_dim(const Tensor& x, const Dim& dim) {
 
 Tensor squeeze(const Tensor& x, const Dim& dim) {
   check_has("squeeze", x, dim, "dim");
-  check(dim.extent() == 1, "squeeze", "dim ", dim.repr(), " has extent ", dim.extent(), ", not 1");
+  DIMATTN_CHECK(dim.extent() == 1, "squeeze", "dim ", dim.repr(), " has extent ", dim.extent(), ", not 1");
   Dims out = without(x.dims(), {dim});
   return with_raw(x, out, x.backend().reshape(x.raw(), extents(out)));
 }
 
 std::pair<Tensor, Dim> concat(const std::vector<std::pair<Tensor, Dim>>& parts, const std::optional<Dim>& out_dim) {
-  check(!parts.empty(), "concat", "needs at least one part");
+  DIMATTN_CHECK(!parts.empty(), "concat", "needs at least one part");
   const Tensor& first = parts.front().first;
   const Dims others = without(first.dims(), {parts.front().second});
   std::vector<RawPtr> raws;
@@ -109,11 +110,11 @@ std::pair<Tensor, Dim> concat(const std::vector<std::pair<Tensor, Dim>>& parts, 
     check_same_dtype("concat", {&first, &t});
     check_has("concat", t, d, "concat dim");
     Dims rest = without(t.dims(), {d});
-    check(rest.size() == others.size() && without(rest, others).empty(), "concat",
+    DIMATTN_CHECK(rest.size() == others.size() && without(rest, others).empty(), "concat",
           "parts must share every dim but the concat dim; ", repr(t.dims()), " vs ", repr(first.dims()));
     Dims order = others;
     order.push_back(d);
-    raws.push_back(aligned_raw("concat", t, order, false));
+    raws.push_back(raw_in_order("concat", t, order, false));
     name += (name.empty() ? "" : "+") + d.name();
     total_extent += d.extent();
     any_dynamic = any_dynamic || d.is_dynamic();
@@ -123,7 +124,7 @@ std::pair<Tensor, Dim> concat(const std::vector<std::pair<Tensor, Dim>>& parts, 
   RawPtr joined = be.concat(raws, axis);
   if (!any_dynamic) {
     Dim out = out_dim.value_or(Dim(name, total_extent));
-    check(out.extent() == total_extent, "concat", "out dim ", out.repr(), " does not have the extent ",
+    DIMATTN_CHECK(out.extent() == total_extent, "concat", "out dim ", out.repr(), " does not have the extent ",
           total_extent, " of the parts");
     Dims dims = others;
     dims.push_back(out);
@@ -143,7 +144,7 @@ std::pair<Tensor, Dim> concat(const std::vector<std::pair<Tensor, Dim>>& parts, 
   Tensor total_len = full({}, 0.0, int_opts);
   for (const auto& part : parts) total_len = add(total_len, length_of(part.second));
   Dim out = out_dim.value_or(Dim::dynamic(name, total_len));
-  check(out.is_dynamic() || out.extent() == total_extent, "concat", "out dim ", out.repr(),
+  DIMATTN_CHECK(out.is_dynamic() || out.extent() == total_extent, "concat", "out dim ", out.repr(),
         " does not fit the parts");
   Tensor j = range_over_dim(out, int_opts);
   Tensor idx = j;  // part 0: offset 0, start 0
@@ -163,7 +164,7 @@ std::pair<Tensor, Dim> concat(const std::vector<std::pair<Tensor, Dim>>& parts, 
 std::pair<Tensor, Dim> slice(const Tensor& x, const Dim& axis, int64_t start, int64_t end,
                              const std::optional<Dim>& out_dim) {
   check_has("slice", x, axis, "axis");
-  check(0 <= start && start <= end && end <= axis.extent(), "slice", "range [", start, ", ", end,
+  DIMATTN_CHECK(0 <= start && start <= end && end <= axis.extent(), "slice", "range [", start, ", ", end,
         ") is outside ", axis.repr());
   Dim out = out_dim.value_or(Dim(axis.name() + "[" + std::to_string(start) + ":" + std::to_string(end) + "]",
                                  end - start));
@@ -174,7 +175,7 @@ std::pair<Tensor, Dim> slice(const Tensor& x, const Dim& axis, int64_t start, in
                   full({}, static_cast<double>(end - start), int_opts));
     out = Dim::dynamic(out.name(), len, end - start);
   }
-  check(out.extent() == end - start, "slice", "out dim ", out.repr(), " does not have the extent ", end - start);
+  DIMATTN_CHECK(out.extent() == end - start, "slice", "out dim ", out.repr(), " does not have the extent ", end - start);
   Dims dims = x.dims();
   dims[x.axis_of(axis)] = out;
   return {with_raw(x, dims, x.backend().slice(x.raw(), x.axis_of(axis), start, end)), out};
@@ -183,19 +184,19 @@ std::pair<Tensor, Dim> slice(const Tensor& x, const Dim& axis, int64_t start, in
 Tensor gather(const Tensor& x, const Dim& axis, const Tensor& indices) {
   common_backend("gather", {&x, &indices});
   check_has("gather", x, axis, "axis");
-  check(indices.dtype() == DType::int32 || indices.dtype() == DType::int64, "gather",
+  DIMATTN_CHECK(indices.dtype() == DType::int32 || indices.dtype() == DType::int64, "gather",
         "indices must be int32 or int64, got ", indices.repr());
-  check(!indices.has(axis), "gather", "indices ", repr(indices.dims()), " must not have the gathered axis ",
+  DIMATTN_CHECK(!indices.has(axis), "gather", "indices ", repr(indices.dims()), " must not have the gathered axis ",
         axis.repr());
   Dims out = without(x.dims(), {axis});
   out = union_dims(out, indices.dims());
   Dims x_order = out;
   x_order.push_back(axis);
   Backend& be = x.backend();
-  RawPtr xr = aligned_raw("gather", x, x_order, true);
+  RawPtr xr = raw_in_order("gather", x, x_order, true);
   Shape idx_shape = extents(out);
   idx_shape.push_back(1);
-  RawPtr ir = be.reshape(aligned_raw("gather", cast(indices, DType::int64), out, true), idx_shape);
+  RawPtr ir = be.reshape(raw_in_order("gather", cast(indices, DType::int64), out, true), idx_shape);
   RawPtr r = be.reshape(be.gather(xr, static_cast<int>(out.size()), ir), extents(out));
   return with_raw(x, out, r);
 }

@@ -3,7 +3,8 @@
 #include <limits>
 
 #include "dimattn/run_context.h"
-#include "frontend/src/op_util.h"
+#include "dimattn/internal/check.h"
+#include "op_util.h"
 
 namespace dimattn {
 using namespace detail;
@@ -14,7 +15,7 @@ Tensor binary(const char* op, BinaryOp kind, const Tensor& a, const Tensor& b, b
   Backend& be = common_backend(op, {&a, &b});
   check_same_dtype(op, {&a, &b});
   Dims out = union_dims(a.dims(), b.dims());
-  RawPtr r = be.binary(kind, aligned_raw(op, a, out, false), aligned_raw(op, b, out, false));
+  RawPtr r = be.binary(kind, raw_in_order(op, a, out, false), raw_in_order(op, b, out, false));
   return Tensor(out, boolean_result ? DType::boolean : a.dtype(), a.device(), std::move(r), &be);
 }
 
@@ -23,11 +24,11 @@ Tensor unary(UnaryOp kind, const Tensor& x) {
 }
 
 void check_floating(const char* op, const Tensor& x) {
-  check(is_floating(x.dtype()), op, "needs a floating tensor, got ", x.repr(), "; cast it first");
+  DIMATTN_CHECK(is_floating(x.dtype()), op, "needs a floating tensor, got ", x.repr(), "; cast it first");
 }
 
 void check_bool(const char* op, const Tensor& x) {
-  check(x.dtype() == DType::boolean, op, "needs a bool tensor, got ", x.repr());
+  DIMATTN_CHECK(x.dtype() == DType::boolean, op, "needs a bool tensor, got ", x.repr());
 }
 
 }  // namespace
@@ -37,7 +38,7 @@ Tensor sub(const Tensor& a, const Tensor& b) { return binary("sub", BinaryOp::su
 Tensor mul(const Tensor& a, const Tensor& b) { return binary("mul", BinaryOp::mul, a, b, false); }
 Tensor div(const Tensor& a, const Tensor& b) {
   // Integer division rounds differently across backends (and can trap on 0).
-  check(is_floating(a.dtype()), "div", "needs floating operands, got ", a.repr(), "; cast to a float dtype first");
+  DIMATTN_CHECK(is_floating(a.dtype()), "div", "needs floating operands, got ", a.repr(), "; cast to a float dtype first");
   return binary("div", BinaryOp::div, a, b, false);
 }
 Tensor maximum(const Tensor& a, const Tensor& b) { return binary("maximum", BinaryOp::maximum, a, b, false); }
@@ -65,11 +66,11 @@ Tensor logical_not(const Tensor& x) {
 // Bool is rejected here: the backends disagreed (torch's abs passed bool
 // through, eigen's refused) and their errors did not name the op.
 Tensor neg(const Tensor& x) {
-  check(x.dtype() != DType::boolean, "neg", "needs a numeric tensor, got ", x.repr(), "; use logical_not");
+  DIMATTN_CHECK(x.dtype() != DType::boolean, "neg", "needs a numeric tensor, got ", x.repr(), "; use logical_not");
   return unary(UnaryOp::neg, x);
 }
 Tensor abs(const Tensor& x) {
-  check(x.dtype() != DType::boolean, "abs", "needs a numeric tensor, got ", x.repr(), "; cast it first");
+  DIMATTN_CHECK(x.dtype() != DType::boolean, "abs", "needs a numeric tensor, got ", x.repr(), "; cast it first");
   return unary(UnaryOp::abs, x);
 }
 Tensor exp(const Tensor& x) {
@@ -93,8 +94,8 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   // putting its dims first would leave large results in a transposed layout
   // that later contractions (ATen's bmm) handle slowly.
   Dims out = union_dims(union_dims(a.dims(), b.dims()), cond.dims());
-  RawPtr r = be.where(aligned_raw("where", cond, out, false), aligned_raw("where", a, out, false),
-                      aligned_raw("where", b, out, false));
+  RawPtr r = be.where(raw_in_order("where", cond, out, false), raw_in_order("where", a, out, false),
+                      raw_in_order("where", b, out, false));
   return Tensor(out, a.dtype(), a.device(), std::move(r), &be);
 }
 
@@ -118,9 +119,9 @@ Tensor matmul(const Tensor& a, const Tensor& b, const Dims& reduce) {
   // A repeated reduce dim used to reach the backend's permute as a bad permutation.
   for (size_t i = 0; i < reduce.size(); ++i)
     for (size_t j = i + 1; j < reduce.size(); ++j)
-      check(reduce[i] != reduce[j], "matmul", "reduce dim ", reduce[i].repr(), " appears twice in ", repr(reduce));
+      DIMATTN_CHECK(reduce[i] != reduce[j], "matmul", "reduce dim ", reduce[i].repr(), " appears twice in ", repr(reduce));
   for (const Dim& d : reduce) {
-    check(a.has(d) && b.has(d), "matmul", "reduce dim ", d.repr(), " must be in both operands; a has ",
+    DIMATTN_CHECK(a.has(d) && b.has(d), "matmul", "reduce dim ", d.repr(), " must be in both operands; a has ",
           repr(a.dims()), ", b has ", repr(b.dims()));
   }
   Dims common, a_only, b_only;
@@ -141,8 +142,8 @@ Tensor matmul(const Tensor& a, const Tensor& b, const Dims& reduce) {
     return x;
   };
   const int64_t nb = product(common), m = product(a_only), k = product(reduce), n = product(b_only);
-  RawPtr ra = be.reshape(aligned_raw("matmul", a, concat3(common, a_only, reduce), false), {nb, m, k});
-  RawPtr rb = be.reshape(aligned_raw("matmul", b, concat3(common, reduce, b_only), false), {nb, k, n});
+  RawPtr ra = be.reshape(raw_in_order("matmul", a, concat3(common, a_only, reduce), false), {nb, m, k});
+  RawPtr rb = be.reshape(raw_in_order("matmul", b, concat3(common, reduce, b_only), false), {nb, k, n});
   Dims out = concat3(common, a_only, b_only);
   Shape out_shape;
   for (const Dim& d : out) out_shape.push_back(d.extent());
@@ -174,7 +175,7 @@ Tensor reduce(const Tensor& x, Reduce kind, const Dims& axes) {
   for (const Dim& d : axes) check_has(op, x, d, "reduce axis");
   if (kind == Reduce::mean || kind == Reduce::logsumexp) check_floating(op, x);
   // A bool sum means "any" on some backends and is an error on others.
-  check(x.dtype() != DType::boolean || kind == Reduce::max || kind == Reduce::min, op,
+  DIMATTN_CHECK(x.dtype() != DType::boolean || kind == Reduce::max || kind == Reduce::min, op,
         "cannot sum a bool tensor ", repr(x.dims()), "; cast it to int64 first, or use max/min for any/all");
   Dims dynamic;
   for (const Dim& d : axes)
@@ -228,7 +229,7 @@ Tensor softmax(const Tensor& x, const Dim& axis) { return softmax_impl("softmax"
 Tensor log_softmax(const Tensor& x, const Dim& axis) { return softmax_impl("log_softmax", x, axis, true); }
 
 Tensor dropout(const Tensor& x, double p, const Dims& vary_over) {
-  check(p >= 0 && p < 1, "dropout", "probability must be in [0, 1), got ", p, " for ", x.repr());
+  DIMATTN_CHECK(p >= 0 && p < 1, "dropout", "probability must be in [0, 1), got ", p, " for ", x.repr());
   for (const Dim& d : vary_over) check_has("dropout", x, d, "vary_over dim");
   check_floating("dropout", x);
   if (!train_flag() || p == 0) return x;

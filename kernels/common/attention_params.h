@@ -50,13 +50,14 @@ inline const char* element_type_name(ElementType t) {
 }
 
 // Sets of element types, for the kernel that validates params: each kernel
-// computes only some (the CPU kernel float32, float64 and bfloat16; the CUDA
-// kernel bfloat16 and float16).
+// computes only some (the CPU kernel all four; the CUDA kernel bfloat16 and
+// float16).
 using ElementTypeSet = unsigned;
 constexpr ElementTypeSet element_type_bit(ElementType t) { return 1u << static_cast<unsigned>(t); }
 inline constexpr ElementTypeSet kCpuElementTypes = element_type_bit(ElementType::float32) |
                                                    element_type_bit(ElementType::float64) |
-                                                   element_type_bit(ElementType::bfloat16);
+                                                   element_type_bit(ElementType::bfloat16) |
+                                                   element_type_bit(ElementType::float16);
 inline constexpr ElementTypeSet kCudaElementTypes =
     element_type_bit(ElementType::bfloat16) | element_type_bit(ElementType::float16);
 
@@ -141,7 +142,7 @@ struct AttentionKernelParams {
   // Everything a caller can get wrong in the fields above, without reading
   // the per-batch arrays (which may live on a device). Empty when ok.
   // `types`: the element types the calling kernel computes (default: the CPU
-  // kernel's, so that it rejects float16 with a reason).
+  // kernel's), so that a kernel rejects the others with a reason.
   std::string validate(bool backward, ElementTypeSet types = kCpuElementTypes) const;
   // The per-batch arrays' values. pre: they are readable from the host.
   std::string validate_host_arrays() const;

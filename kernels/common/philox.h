@@ -5,13 +5,9 @@
 // uses it on every path, so the reference path and each fused kernel (CPU and
 // CUDA) draw the same mask and can be compared exactly with dropout on.
 //
-// Dropout keying (the contract every path follows):
-//   per element:  key = seed, counter = {k / 4, q, bh, offset}, lane k % 4
-//   broadcast:    key = seed ^ kBroadcastSalt, counter = {k / 4, 0, 0, offset}, lane k % 4
-// where bh is the flat index over the call's batch dims, then keys-only dims,
-// then query groups (row-major, each in the call's order), q the query
-// spatial position, k the kv position. An element is kept when
-// its uniform number is >= p.
+// Attention's keying of the counter and its keep rule are in
+// common/attention_mask.h, which this header includes at its end for the
+// callers that include only this one.
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -50,28 +46,7 @@ DIMATTN_HD Philox4 philox4x32_10(Philox4 ctr, uint64_t seed) {
 // 24 random bits as a float in [0, 1): exact in float32, bf16-safe compare.
 DIMATTN_HD float uniform_from_bits(uint32_t bits) { return static_cast<float>(bits >> 8) * (1.0f / 16777216.0f); }
 
-inline constexpr uint64_t kBroadcastSalt = 0xB40ADCA57D0F0F0Full;
-
-// The random words of kv positions 4 * (k / 4) .. + 3 of attention row
-// (bh, q): lane k % 4 is position k's. One call serves four positions.
-DIMATTN_HD Philox4 dropout_words(uint64_t seed, uint32_t offset, uint32_t bh, uint32_t q, uint32_t k) {
-  return philox4x32_10(Philox4{{k >> 2, q, bh, offset}}, seed);
-}
-
-// The same under broadcast dropout (shared by every batch entry, head and
-// query position).
-DIMATTN_HD Philox4 dropout_words_broadcast(uint64_t seed, uint32_t offset, uint32_t k) {
-  return philox4x32_10(Philox4{{k >> 2, 0, 0, offset}}, seed ^ kBroadcastSalt);
-}
-
-// Uniform number of attention element (bh, q, k).
-DIMATTN_HD float dropout_uniform(uint64_t seed, uint32_t offset, uint32_t bh, uint32_t q, uint32_t k) {
-  return uniform_from_bits(dropout_words(seed, offset, bh, q, k).v[k & 3]);
-}
-
-// Uniform number of kv position k under broadcast dropout.
-DIMATTN_HD float dropout_uniform_broadcast(uint64_t seed, uint32_t offset, uint32_t k) {
-  return uniform_from_bits(dropout_words_broadcast(seed, offset, k).v[k & 3]);
-}
-
 }  // namespace dimattn::kernels
+
+// After the generator: attention_mask.h includes this header for it.
+#include "common/attention_mask.h"  // IWYU pragma: export

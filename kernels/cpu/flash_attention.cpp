@@ -1,4 +1,4 @@
-#include "kernels/cpu/flash_attention.h"
+#include "cpu/flash_attention.h"
 
 #include <algorithm>
 #include <cmath>
@@ -11,8 +11,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "kernels/common/philox.h"
-#include "kernels/cpu/flash_attention_heuristics.h"
+#include "common/attention_mask.h"
+#include "common/philox.h"
+#include "cpu/flash_attention_heuristics.h"
+#include "cpu/half_bits.h"
 
 // The transposing packer passes 32-byte vectors between inlined helpers; in
 // this baseline (SSE2) translation unit compilers warn that such a function's
@@ -47,8 +49,13 @@ inline void philox_bits(uint64_t key, uint32_t k4, uint32_t c1, uint32_t c2, uin
     for (int l = 0; l < 4; ++l) out[4 * g + l] = r.v[l];
   }
 }
+DIMATTN_INLINE float half_to_float(uint16_t h) { return half_bits_to_float(h); }
+DIMATTN_INLINE uint16_t float_to_half(float x) { return float_to_half_bits(x); }
+DIMATTN_INLINE void half8_to_float(const uint16_t* src, float* dst) {
+  for (int i = 0; i < 8; ++i) dst[i] = half_bits_to_float(src[i]);
+}
 constexpr int kMicroRows = 6;  // 12 accumulators of SSE2's 16 registers
-#include "kernels/cpu/flash_attention_impl.h"
+#include "cpu/flash_attention_impl.h"
 }  // namespace cpu_flash_generic
 
 // Defined in flash_attention_avx2.cpp (x86-64 only).

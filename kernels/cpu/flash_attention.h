@@ -2,8 +2,8 @@
 // dimattn's fused CPU attention ("cpu_flash"): FlashAttention-2-style tiled
 // online softmax, forward and backward, over AttentionKernelParams.
 //
-// Numerics: float32 and bfloat16 compute in float32 (bfloat16 converted on
-// load, rounded to nearest even on store), float64 in float64. Softmax
+// Numerics: float32, bfloat16 and float16 compute in float32 (16-bit values
+// converted on load, rounded to nearest even on store; F16C on the AVX2 path), float64 in float64. Softmax
 // statistics and all sums are in the accumulation type.
 //
 // Determinism: every output element is computed by one task in a fixed order
@@ -12,8 +12,8 @@
 // (The generic and the AVX2 code paths round differently: FMA vs mul + add.)
 #include <string>
 
-#include "kernels/common/attention_params.h"
-#include "kernels/cpu/thread_pool.h"
+#include "common/attention_params.h"
+#include "cpu/thread_pool.h"
 
 namespace dimattn::kernels {
 

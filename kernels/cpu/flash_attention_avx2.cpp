@@ -15,13 +15,15 @@
 #include <type_traits>
 #include <vector>
 
-#include "kernels/common/attention_params.h"
-#include "kernels/common/philox.h"
-#include "kernels/cpu/flash_attention_heuristics.h"
-#include "kernels/cpu/thread_pool.h"
+#include "common/attention_params.h"
+#include "common/attention_mask.h"
+#include "common/philox.h"
+#include "cpu/flash_attention_heuristics.h"
+#include "cpu/thread_pool.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define DIMATTN_HAVE_AVX2_PATH 1
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -30,12 +32,12 @@ namespace dimattn::kernels {
 #if DIMATTN_HAVE_AVX2_PATH
 
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
 #else
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #endif
 
 #define DIMATTN_INLINE inline __attribute__((always_inline))
@@ -108,8 +110,14 @@ inline void philox_bits(uint64_t key, uint32_t k4, uint32_t c1, uint32_t c2, uin
     for (int l = 0; l < 4; ++l) out[4 * g + l] = r.v[l];
   }
 }
+// F16C: the same rounding as half_bits.h (nearest even; NaN stays quiet).
+DIMATTN_INLINE float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+DIMATTN_INLINE uint16_t float_to_half(float x) { return static_cast<uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)); }
+DIMATTN_INLINE void half8_to_float(const uint16_t* src, float* dst) {
+  _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+}
 constexpr int kMicroRows = 6;  // 12 accumulators of AVX2's 16 registers
-#include "kernels/cpu/flash_attention_impl.h"
+#include "cpu/flash_attention_impl.h"
 }  // namespace cpu_flash_avx2
 
 #if defined(__clang__)
@@ -123,7 +131,11 @@ constexpr int kMicroRows = 6;  // 12 accumulators of AVX2's 16 registers
 namespace cpu_flash_avx2_entry {
 bool available() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  // F16C through cpuid (leaf 1, ecx): clang 14's __builtin_cpu_supports does
+  // not know "f16c".
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
 }
 void forward(const AttentionKernelParams& p, const ParallelFor& pf) { cpu_flash_avx2::run_forward(p, pf); }
 void backward(const AttentionKernelParams& p, const ParallelFor& pf) { cpu_flash_avx2::run_backward(p, pf); }

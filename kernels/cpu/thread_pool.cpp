@@ -1,4 +1,4 @@
-#include "kernels/cpu/thread_pool.h"
+#include "cpu/thread_pool.h"
 
 #include <algorithm>
 #include <atomic>

@@ -7,8 +7,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "kernels/cuda/flash_attention_cuda.h"
-#include "kernels/cuda/flash_attention_cuda_impl.cuh"
+#include "cuda/flash_attention_cuda.h"
+#include "cuda/flash_attention_cuda_impl.cuh"
 
 namespace dimattn::kernels {
 namespace {
@@ -60,10 +60,8 @@ DeviceParams device_params(const AttentionKernelParams& p) {
   d.dropout_broadcast = p.dropout_broadcast;
   d.seed = p.seed;
   d.rng_offset = p.rng_offset;
-  // The CPU kernel's rule (uniform >= p  <=>  (bits >> 8) >= ceil(p 2^24)),
-  // so that every path keeps the same elements.
-  d.threshold = p.dropout_p >= 1 ? (1u << 24) : static_cast<uint32_t>(std::ceil(p.dropout_p * 16777216.0));
-  d.keep_scale = p.dropout_p >= 1 ? 0.f : static_cast<float>(1.0 / (1.0 - p.dropout_p));
+  d.rule = dropout_rule(p.dropout_p);  // the rule of every path
+  d.keep_scale = static_cast<float>(d.rule.keep_scale);
   return d;
 }
 

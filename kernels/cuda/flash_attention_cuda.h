@@ -20,7 +20,7 @@
 #include <cstddef>
 #include <string>
 
-#include "kernels/common/attention_params.h"
+#include "common/attention_params.h"
 
 struct CUstream_st;  // cudaStream_t is CUstream_st*
 

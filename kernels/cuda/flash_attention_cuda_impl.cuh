@@ -14,7 +14,8 @@
 
 #include <cstdint>
 
-#include "kernels/common/philox.h"
+#include "common/attention_mask.h"
+#include "common/philox.h"
 
 namespace dimattn::kernels::cuda_flash {
 
@@ -69,39 +70,19 @@ struct DeviceParams {
   bool dropout, dropout_broadcast;
   uint64_t seed;
   uint32_t rng_offset;
-  uint32_t threshold;  // keep iff (bits >> 8) >= threshold, i.e. uniform >= p
-  float keep_scale;    // 1 / (1 - p), 0 when p == 1
+  DropoutRule rule;  // common/attention_mask.h's keep rule
+  float keep_scale;  // rule.keep_scale in float32
 };
 
-// 64-bit min and max without relying on which overloads CUDA's headers declare.
+// 64-bit min without relying on which overloads CUDA's headers declare.
 __host__ __device__ constexpr int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-__host__ __device__ constexpr int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-// Row i of batch entry b attends kv positions [0, limit(i)).
-struct Limits {
-  int64_t q_len, kv_len, offset;
-  bool causal;
-  __device__ int64_t limit(int64_t i) const {
-    if (i >= q_len) return 0;  // padding rows attend nothing
-    int64_t l = kv_len;
-    if (causal) l = min64(l, i + offset + 1);
-    return max64(l, int64_t{0});
-  }
-};
-
-__device__ inline Limits limits_of(const DeviceParams& p, int b) {
-  Limits r;
-  r.q_len = p.q_lengths ? p.q_lengths[b] : p.seqlen_q;
-  r.kv_len = p.kv_lengths ? p.kv_lengths[b] : p.seqlen_k;
-  r.causal = p.causal;
-  // As in the CPU kernel: clamping keeps i + offset + 1 from overflowing
-  // without changing any mask.
-  const int64_t off = p.causal_offset ? p.causal_offset[b] : 0;
-  r.offset = min64(max64(off, -int64_t{p.seqlen_q} - 1), int64_t{p.seqlen_k});
-  return r;
+// The mask of batch entry b (common/attention_mask.h).
+__device__ inline EntryMask entry_mask_of(const DeviceParams& p, int b) {
+  return entry_mask(p.q_lengths, p.kv_lengths, p.causal_offset, p.causal, p.seqlen_q, p.seqlen_k, b);
 }
 
-// --- dropout: philox.h's keying, the keep test on the 24 random bits ---
+// --- dropout: attention_mask.h's keying and keep rule ---
 
 __device__ inline uint32_t philox_lane(const Philox4& r, uint32_t lane) {
   // Selects without a run-time index into the array (which would spill it).
@@ -128,7 +109,7 @@ __device__ inline uint32_t dropout_bits(const DeviceParams& p, uint32_t bh, uint
 }
 
 __device__ inline float keep_factor(const DeviceParams& p, uint32_t bits) {
-  return (bits >> 8) >= p.threshold ? p.keep_scale : 0.f;
+  return p.rule.keeps(bits) ? p.keep_scale : 0.f;
 }
 
 // --- element types ---
@@ -270,7 +251,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
   // Causal blocks further down cost more: start those first.
   const int mb = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int64_t m0 = int64_t{mb} * BM;
-  const Limits lim = limits_of(p, b);
+  const EntryMask mask = entry_mask_of(p, b);
   const int hk = h / p.group;
   const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
 
@@ -279,27 +260,30 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
   const T* vg = static_cast<const T*>(p.v) + b * p.vs.batch + hk * p.vs.head;
   T* og = static_cast<T*>(p.out) + b * p.os.batch + h * p.os.head;
 
-  // The block's rows attend kv positions [0, n_end): limit() grows with i.
-  const int64_t rows_end = min64(m0 + BM, lim.q_len);
-  const int64_t n_end = rows_end > m0 ? lim.limit(rows_end - 1) : 0;
+  // The block's rows attend kv positions [lo(m0), hi(rows_end - 1)): both
+  // bounds grow with the row. Kv blocks [nb_begin, n_blocks) hold them.
+  const int64_t rows_end = min64(m0 + BM, mask.q_len);
+  const int64_t n_end = rows_end > m0 ? mask.hi(rows_end - 1) : 0;
   const int n_blocks = static_cast<int>((n_end + BN - 1) / BN);
+  const int nb_begin = rows_end > m0 ? static_cast<int>(min64(mask.lo(m0), n_end) / BN) : 0;
 
   // This thread's two rows.
   const int64_t i0 = m0 + warp * 16 + g, i1 = i0 + 8;
-  const int64_t lim0 = lim.limit(i0), lim1 = lim.limit(i1);
+  const Range row0 = mask.row(i0), row1 = mask.row(i1);
 
   float o[D / 8][4];
 #pragma unroll
   for (int t = 0; t < D / 8; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
   float row_max[2] = {-kInf, -kInf}, row_sum[2] = {0.f, 0.f};
 
-  if (n_blocks > 0) {
+  if (n_blocks > nb_begin) {
+    const int64_t nb0 = int64_t{nb_begin} * BN;
     load_tile<T, D>(sQ, qg, p.qs.row, BM, rows_end - m0);
-    load_tile<T, D>(sK, kg, p.ks.row, BN, min64(int64_t{BN}, n_end));
+    load_tile<T, D>(sK, kg + nb0 * p.ks.row, p.ks.row, BN, min64(int64_t{BN}, n_end - nb0));
     cp_async_commit();
     uint32_t qf[D / 16][4];
 
-    for (int nb = 0; nb < n_blocks; ++nb) {
+    for (int nb = nb_begin; nb < n_blocks; ++nb) {
       const int64_t n0 = int64_t{nb} * BN;
       // Positions at or after n_end are read by no row: zero-filled, so that
       // 0-weights never meet NaN or inf there.
@@ -307,7 +291,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
       cp_async_commit();
       cp_async_wait<1>();  // Q and this block's K
       __syncthreads();
-      if (nb == 0) {
+      if (nb == nb_begin) {
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) load_a(qf[kk], sQ, LD, warp * 16, kk * 16, lane);
       }
@@ -334,7 +318,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int64_t j = n0 + t * 8 + tig * 2 + (e & 1);
-          const float x = j < (e < 2 ? lim0 : lim1) ? s[t][e] * p.scale_log2 : -kInf;
+          const float x = (e < 2 ? row0 : row1).contains(j) ? s[t][e] * p.scale_log2 : -kInf;
           s[t][e] = x;
           mx[e >> 1] = fmaxf(mx[e >> 1], x);
         }
@@ -463,8 +447,8 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tig = lane & 3;
   const int b = blockIdx.z, hk = blockIdx.y;
   const int64_t n0 = int64_t{blockIdx.x} * BN;
-  const Limits lim = limits_of(p, b);
-  const int64_t kv_end = min64(n0 + BN, lim.kv_len);  // valid positions [n0, kv_end)
+  const EntryMask mask = entry_mask_of(p, b);
+  const int64_t kv_end = min64(n0 + BN, mask.kv_len);  // valid positions [n0, kv_end)
   // This thread's two kv positions.
   const int64_t j0 = n0 + warp * 16 + g, j1 = j0 + 8;
 
@@ -474,9 +458,10 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[t][e] = dv[t][e] = 0.f;
 
-  // Rows that attend position n0 or later: i + offset + 1 > n0.
-  const int64_t i_start = p.causal ? min64(max64(n0 - lim.offset, int64_t{0}), lim.q_len) : 0;
-  if (kv_end > n0 && i_start < lim.q_len) {
+  // Rows that attend some of the block's positions: [i_start, i_end).
+  const int64_t i_start = kv_end > n0 ? mask.rows_reaching(n0).lo : 0;
+  const int64_t i_end = kv_end > n0 ? mask.rows_reaching(kv_end - 1).hi : 0;
+  if (i_start < i_end) {
     const T* kg = static_cast<const T*>(p.k) + b * p.ks.batch + hk * p.ks.head + n0 * p.ks.row;
     const T* vg = static_cast<const T*>(p.v) + b * p.vs.batch + hk * p.vs.head + n0 * p.vs.row;
     load_tile<T, D>(sK, kg, p.ks.row, BN, kv_end - n0);
@@ -492,16 +477,16 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
       const int64_t row_base = (int64_t{b} * p.heads + h) * p.seqlen_q;
       float* dqh = p.dq_accum + row_base * D;
 
-      for (int64_t m0 = i_start / BM * BM; m0 < lim.q_len; m0 += BM) {
+      for (int64_t m0 = i_start / BM * BM; m0 < i_end; m0 += BM) {
         __syncthreads();  // the previous step's reads of sQ, sdO, sdS, sLse are done
-        const int64_t rows = min64(int64_t{BM}, lim.q_len - m0);
+        const int64_t rows = min64(int64_t{BM}, i_end - m0);
         load_tile<T, D>(sQ, qh + m0 * p.qs.row, p.qs.row, BM, rows);
         load_tile<T, D>(sdO, doh + m0 * p.dos.row, p.dos.row, BM, rows);
         cp_async_commit();
         if (threadIdx.x < BM) {
           const int64_t i = m0 + threadIdx.x;
-          sLse[threadIdx.x] = i < lim.q_len ? lseh[i] * kLog2e : 0.f;
-          sDsum[threadIdx.x] = i < lim.q_len ? p.dsum[row_base + i] : 0.f;
+          sLse[threadIdx.x] = i < mask.q_len ? lseh[i] * kLog2e : 0.f;
+          sDsum[threadIdx.x] = i < mask.q_len ? p.dsum[row_base + i] : 0.f;
         }
         cp_async_wait<0>();
         __syncthreads();
@@ -538,7 +523,7 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
           for (int e = 0; e < 4; ++e) {
             const int c = t * 8 + tig * 2 + (e & 1);  // row within the step
             const int64_t i = m0 + c, j = e < 2 ? j0 : j1;
-            const bool allowed = j < lim.limit(i);
+            const bool allowed = mask.allowed(i, j);
             const float w = allowed ? exp2f(st[t][e] * p.scale_log2 - sLse[c]) : 0.f;
             float z = 1.f;
             if (p.dropout && allowed)
@@ -602,11 +587,11 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
 #pragma unroll
           for (int t = 0; t < 4; ++t) {
             const int col = c0 + t * 8 + tig * 2;
-            if (qi0 < lim.q_len) {
+            if (qi0 < mask.q_len) {
               atomicAdd(dqh + qi0 * D + col, acc[t][0]);
               atomicAdd(dqh + qi0 * D + col + 1, acc[t][1]);
             }
-            if (qi1 < lim.q_len) {
+            if (qi1 < mask.q_len) {
               atomicAdd(dqh + qi1 * D + col, acc[t][2]);
               atomicAdd(dqh + qi1 * D + col + 1, acc[t][3]);
             }

@@ -4,7 +4,7 @@
 #include <limits>
 #include <stdexcept>
 
-#include "kernels/cuda/flash_attention_cuda.h"
+#include "cuda/flash_attention_cuda.h"
 
 namespace dimattn::kernels {
 

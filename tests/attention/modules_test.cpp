@@ -3,7 +3,7 @@
 // head-major.
 #include "dimattn/modules.h"
 #include "dimattn/trace.h"
-#include "tests/common/test_util.h"
+#include "support/test_util.h"
 
 namespace dimattn {
 namespace {

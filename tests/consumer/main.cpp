@@ -3,6 +3,7 @@
 
 #include "dimattn/attention.h"
 #include "dimattn/ops.h"
+#include "dimattn/ext/backend.h"
 #include "dimattn/registry.h"
 
 int main() {

@@ -13,3 +13,6 @@ run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
 run(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${cbuild} -G ${GENERATOR} "-DCMAKE_PREFIX_PATH=${prefix}")
 run(${CMAKE_COMMAND} --build ${cbuild})
 run(${cbuild}/consumer)
+# The installed command-line tool starts and runs a call (its run path finds
+# libdimattn and LibTorch without LD_LIBRARY_PATH).
+run(${prefix}/bin/dimattn explain --seq-q 16)

@@ -10,10 +10,11 @@
 #include <string>
 #include <vector>
 
-#include "dimattn/backend.h"
+#include "dimattn/ext/backend.h"
 #include "dimattn/dtype.h"
 #include "dimattn/error.h"
 #include "dimattn/registry.h"
+#include "support/test_util.h"
 
 namespace dimattn {
 namespace {
@@ -53,16 +54,7 @@ class BackendPrimitives : public ::testing::TestWithParam<std::string> {
   }
 };
 
-// Runs f, expecting a dimattn::Error whose message contains every part.
-void expect_error(const std::function<void()>& f, std::initializer_list<std::string> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "expected dimattn::Error";
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "message lacks '" << p << "': " << msg;
-  }
-}
+using testing::expect_error;
 
 // --- creation, host transfer, introspection ---
 

@@ -5,28 +5,17 @@
 #include <set>
 #include <string>
 
-#include "dimattn/backend.h"
+#include "dimattn/ext/backend.h"
 #include "dimattn/dim.h"
 #include "dimattn/error.h"
 #include "dimattn/ops.h"
 #include "dimattn/tensor.h"
+#include "support/test_util.h"
 
 namespace dimattn {
 namespace {
 
-// Runs f, expects a dimattn::Error whose message starts with "[op]" and
-// contains every string of `parts`.
-template <class F>
-void expect_error(F&& f, const std::string& op, std::initializer_list<std::string> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "expected a dimattn::Error starting with [" << op << "]";
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    EXPECT_EQ(msg.rfind("[" + op + "]", 0), 0u) << msg;
-    for (const std::string& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "missing '" << p << "' in: " << msg;
-  }
-}
+using testing::expect_error;
 
 Tensor int_lengths(const Dim& batch, const std::vector<double>& values, DType dtype = DType::int64) {
   return from_host({batch}, values, {.dtype = dtype});

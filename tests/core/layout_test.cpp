@@ -4,7 +4,8 @@
 #include <algorithm>
 #include <iterator>
 
-#include "dimattn/layout.h"
+#include "dimattn/ext/layout.h"
+#include "dimattn/internal/layout_probe.h"
 
 namespace dimattn {
 namespace {

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <set>
 
-#include "kernels/common/philox.h"
+#include "common/philox.h"
 
 namespace dimattn::kernels {
 namespace {

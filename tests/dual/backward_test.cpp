@@ -3,7 +3,7 @@
 #include "dimattn/attention.h"
 #include "dimattn/forcing.h"
 #include "dimattn/run_context.h"
-#include "tests/common/test_util.h"
+#include "support/test_util.h"
 
 namespace dimattn {
 namespace {
@@ -33,7 +33,7 @@ TEST(Backward, EigenGradientsMatchTorchAutogradOfTheReference) {
         ForceKernels force("reference");
         Tensor out = dot_attention(tq, tk, tv, o);
         reduce_sum(mul(out, to_backend(dout, "torch")), out.dims()).backward();
-        const double tol = dt == DType::float64 ? 2e-10 : 2e-5;
+        const double tol = testing::gradient_tolerance(dt);
         EXPECT_LT(testing::max_abs_diff(g.query, *tq.grad(), q.dims()), tol) << "dq causal " << causal;
         EXPECT_LT(testing::max_abs_diff(g.keys, *tk.grad(), k.dims()), tol) << "dk causal " << causal;
         EXPECT_LT(testing::max_abs_diff(g.values, *tv.grad(), v.dims()), tol) << "dv causal " << causal;

@@ -1,11 +1,15 @@
 // Kernel selection: decisions with reasons, forcing, the debug log, the cache key.
 #include <cstdlib>
+#include <fstream>
+#include <map>
 
 #include "dimattn/attention.h"
 #include "dimattn/forcing.h"
 #include "dimattn/run_context.h"
 #include "dimattn/selection.h"
-#include "tests/common/test_util.h"
+#include "dimattn/ext/backend.h"
+#include "dimattn/registry.h"
+#include "support/test_util.h"
 
 namespace dimattn {
 namespace {
@@ -33,6 +37,36 @@ TEST(Selection, ExplainGivesTheChoiceAndEveryRejectionWithItsReason) {
   EXPECT_EQ(d.rejected[1].kernel, "aten_flash_cpu");
   EXPECT_NE(d.rejected[1].reason.find("dropout"), std::string::npos) << d.rejected[1].reason;
   EXPECT_NE(d.explain().find("rejected aten_math"), std::string::npos) << d.explain();
+}
+
+// docs/selection.md's candidate table, row by row, against every registered
+// backend's kernel table: the docs cannot go stale silently.
+TEST(Selection, DocsTableMatchesTheKernelTables) {
+  std::ifstream in(std::string(DIMATTN_SOURCE_DIR) + "/docs/selection.md");
+  ASSERT_TRUE(in) << "docs/selection.md";
+  std::map<std::string, std::vector<std::string>> documented;  // "torch / cpu" -> names
+  for (std::string line; std::getline(in, line);) {
+    // "| torch / cpu | `cpu_flash`, `aten_flash_cpu`, ... |"
+    const size_t sep = line.find(" | ");
+    if (line.rfind("| ", 0) != 0 || sep == std::string::npos || line.find(" / ") > sep) continue;
+    std::vector<std::string>& names = documented[line.substr(2, sep - 2)];
+    for (size_t open = line.find('`', sep); open != std::string::npos; open = line.find('`', open + 1)) {
+      const size_t close = line.find('`', open + 1);
+      names.push_back(line.substr(open + 1, close - open - 1));
+      open = close;
+    }
+  }
+  int checked = 0;
+  for (const std::string& b : backend_names())
+    for (const Device device : {kCPU, kCUDA}) {
+      const std::vector<std::string> kernels = get_backend(b).attention_kernels(device);
+      const std::string key = b + " / " + device_name(device);
+      if (kernels.size() <= 1 && !documented.count(key)) continue;  // no table, or the reference alone: no row
+      ASSERT_TRUE(documented.count(key)) << "docs/selection.md has no row for " << key;
+      EXPECT_EQ(documented[key], kernels) << key;
+      ++checked;
+    }
+  EXPECT_GE(checked, 1) << "no backend's table was checked";
 }
 
 TEST(Selection, AForcedKernelThatCannotRunIsAnErrorWithReasons) {

@@ -30,6 +30,7 @@
 #include "dimattn/error.h"
 #include "dimattn/forcing.h"
 #include "dimattn/ops.h"
+#include "dimattn/ext/backend.h"
 #include "dimattn/registry.h"
 #include "dimattn/run_context.h"
 #include "dimattn/trace.h"

@@ -21,7 +21,8 @@
 #include <iterator>
 #include <vector>
 
-#include "dimattn/layout.h"
+#include "dimattn/ext/layout.h"
+#include "dimattn/internal/layout_probe.h"
 
 using dimattn::LayoutClass;
 using dimattn::ViewLayout;

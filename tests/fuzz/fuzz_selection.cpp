@@ -1,4 +1,4 @@
-// Fuzzes kernel-selection keys (backends/include/dimattn/selection.h):
+// Fuzzes kernel-selection keys (core/include/dimattn/selection.h):
 // equal params ⇔ equal hash and decision.
 //
 // Part 1, on AttentionParams directly: a random params value and a copy with
@@ -18,6 +18,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <set>
 #include <string>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "dimattn/error.h"
 #include "dimattn/forcing.h"
 #include "dimattn/ops.h"
+#include "dimattn/ext/backend.h"
 #include "dimattn/registry.h"
 #include "dimattn/run_context.h"
 #include "dimattn/selection.h"
@@ -111,6 +113,49 @@ Fresh decide_fresh(const AttentionParams& p, const std::vector<KernelCandidate>&
     if (force.allows(c.name) && c.gate(p).ok) return {true, c.name};
   return {false, ""};
 }
+
+// Forcing knows the kernels of registered backends' tables only. The
+// synthetic candidates' names (those of the torch backend, which this
+// Eigen-only build lacks) are declared by a backend that has nothing but a
+// kernel table; selection never runs its kernels.
+class NamesOnlyBackend final : public Backend {
+  [[noreturn]] static RawPtr none() { throw Error("[fuzz_selection] the names-only backend has no primitives"); }
+
+ public:
+  std::string name() const override { return "fuzz_names_only"; }
+  bool supports(Device) const override { return false; }
+  const KernelTable& attention_table() const override {
+    static const KernelTable table = [] {
+      KernelTable t;
+      for (int which : {0, 1})
+        for (const KernelCandidate& c : candidates(which))
+          t.push_back({c.name, which == 0 ? DeviceType::cpu : DeviceType::cuda, c.gate, {}, {}});
+      return t;
+    }();
+    return table;
+  }
+  RawPtr full(const Shape&, double, DType, Device) override { none(); }
+  RawPtr from_host(const Shape&, const std::vector<double>&, DType, Device) override { none(); }
+  std::vector<double> to_host(const RawPtr&) override { none(); }
+  RawPtr random(const Shape&, RandomKind, double, double, uint64_t, DType, Device) override { none(); }
+  RawPtr arange(int64_t, DType, Device) override { none(); }
+  Shape shape(const RawPtr&) override { none(); }
+  RawPtr cast(const RawPtr&, DType) override { none(); }
+  RawPtr to_device(const RawPtr&, Device) override { none(); }
+  RawPtr permute(const RawPtr&, const std::vector<int>&) override { none(); }
+  RawPtr reshape(const RawPtr&, const Shape&) override { none(); }
+  RawPtr expand(const RawPtr&, const Shape&) override { none(); }
+  RawPtr concat(const std::vector<RawPtr>&, int) override { none(); }
+  RawPtr slice(const RawPtr&, int, int64_t, int64_t) override { none(); }
+  RawPtr gather(const RawPtr&, int, const RawPtr&) override { none(); }
+  RawPtr contiguous(const RawPtr&) override { none(); }
+  RawPtr binary(BinaryOp, const RawPtr&, const RawPtr&) override { none(); }
+  RawPtr unary(UnaryOp, const RawPtr&) override { none(); }
+  RawPtr where(const RawPtr&, const RawPtr&, const RawPtr&) override { none(); }
+  RawPtr reduce(ReduceOp, const RawPtr&, const std::vector<int>&) override { none(); }
+  RawPtr softmax(const RawPtr&, int, bool) override { none(); }
+  RawPtr bmm(const RawPtr&, const RawPtr&) override { none(); }
+};
 
 std::set<std::string>& decided_keys() {
   static std::set<std::string> keys;
@@ -244,6 +289,11 @@ void call_part(FuzzedDataProvider& in) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static const bool registered = [] {
+    if (!has_backend("fuzz_names_only")) register_backend(std::make_unique<NamesOnlyBackend>());
+    return true;
+  }();
+  (void)registered;
   FuzzedDataProvider in(data, size);
   if (in.ConsumeBool()) {
     params_part(in);

@@ -15,11 +15,12 @@
 #include <string>
 #include <vector>
 
-#include "kernels/common/attention_params.h"
-#include "kernels/common/philox.h"
-#include "kernels/cpu/flash_attention.h"
-#include "kernels/cpu/thread_pool.h"
-#include "tests/kernels/bf16_bits.h"
+#include "common/attention_mask.h"
+#include "common/attention_params.h"
+#include "common/philox.h"
+#include "cpu/flash_attention.h"
+#include "cpu/thread_pool.h"
+#include "bf16_bits.h"
 
 namespace dimattn::kernels {
 namespace {
@@ -33,13 +34,15 @@ size_t elem_size(ElementType t) { return t == ElementType::float64 ? 8 : t == El
 
 using test::bf16_round;
 using test::bf16_value;
+using test::f16_round;
+using test::f16_value;
 // The value a double has once stored in the dtype.
 double representable(ElementType t, double x) {
   switch (t) {
     case ElementType::float64: return x;
     case ElementType::float32: return static_cast<float>(x);
     case ElementType::bfloat16: return bf16_value(bf16_round(static_cast<float>(x)));
-    case ElementType::float16: break;  // not a CPU kernel type
+    case ElementType::float16: return f16_value(f16_round(static_cast<float>(x)));
   }
   return x;
 }
@@ -59,6 +62,9 @@ struct Buffer {
     } else if (dtype == ElementType::float32) {
       const float f = static_cast<float>(x);
       std::memcpy(p, &f, 4);
+    } else if (dtype == ElementType::float16) {
+      const uint16_t h = std::isnan(x) ? uint16_t{0x7e00} : f16_round(static_cast<float>(x));
+      std::memcpy(p, &h, 2);
     } else {
       const uint16_t h = std::isnan(x) ? uint16_t{0x7fc0} : bf16_round(static_cast<float>(x));
       std::memcpy(p, &h, 2);
@@ -78,7 +84,7 @@ struct Buffer {
     }
     uint16_t h;
     std::memcpy(&h, p, 2);
-    return bf16_value(h);
+    return dtype == ElementType::float16 ? f16_value(h) : bf16_value(h);
   }
 };
 
@@ -132,7 +138,16 @@ struct Case {
   uint32_t rng_offset = 7;
 };
 
-double fwd_tol(ElementType t) { return t == ElementType::float64 ? 1e-10 : t == ElementType::float32 ? 1e-5 : 2e-2; }
+// docs/numerics.md's table (dimattn/tolerance.h's reference_tolerance).
+double fwd_tol(ElementType t) {
+  switch (t) {
+    case ElementType::float64: return 1e-10;
+    case ElementType::float32: return 1e-5;
+    case ElementType::bfloat16: return 2e-2;
+    case ElementType::float16: return 2e-3;
+  }
+  return 0;
+}
 double bwd_tol(ElementType t) { return 2 * fwd_tol(t); }
 
 struct Inputs {
@@ -445,7 +460,8 @@ Case base(const std::string& name, ElementType t = ElementType::float32) {
   return c;
 }
 
-const ElementType kAllTypes[] = {ElementType::float32, ElementType::float64, ElementType::bfloat16};
+const ElementType kAllTypes[] = {ElementType::float32, ElementType::float64, ElementType::bfloat16,
+                                 ElementType::float16};
 
 // ---------------------------------------------------------------------------
 
@@ -666,7 +682,7 @@ TEST(CpuFlash, EmptySizes) {
 TEST(CpuFlash, NanInputPropagatesToItsRowOnly) {
   // A NaN score must not be mistaken for a masked one (0 weight): the row's
   // output is NaN, as the reference path's softmax gives; other rows are intact.
-  for (ElementType t : {ElementType::float32, ElementType::bfloat16}) {
+  for (ElementType t : {ElementType::float32, ElementType::bfloat16, ElementType::float16}) {
     Case c = base("nan", t);
     c.B = 1, c.H = 1, c.Tq = 4, c.Tk = 20, c.D = c.Dv = 8;
     const Inputs in = make_inputs(c);
@@ -775,6 +791,77 @@ TEST(CpuFlash, FiniteDifferences) {
     check_grad("dq", &Inputs::q, r.dq);
     check_grad("dk", &Inputs::k, r.dk);
     check_grad("dv", &Inputs::v, r.dv);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The one mask definition (common/attention_mask.h) against the reference
+// path's rules, written out here independently of it.
+
+TEST(AttentionMask, RowRangesAreTheReferenceRules) {
+  // Reference: row i attends j iff i < q_len, j < kv_len and (causal => j <= i + offset).
+  constexpr int64_t Tq = 9, Tk = 11;
+  const int64_t offsets[] = {0,  3,  -2, -9, -10, -11, 10, 11, 500, -500, std::numeric_limits<int64_t>::max(),
+                             std::numeric_limits<int64_t>::min()};
+  int64_t checked = 0;
+  for (bool causal : {false, true})
+    for (int64_t q_len : {int64_t{0}, int64_t{4}, Tq})
+      for (int64_t kv_len : {int64_t{0}, int64_t{1}, int64_t{6}, Tk})
+        for (int64_t off : offsets) {
+          const int64_t ql[1] = {q_len}, kl[1] = {kv_len}, of[1] = {off};
+          const EntryMask m = entry_mask(ql, kl, of, causal, Tq, Tk, 0);
+          for (int64_t i = 0; i < Tq + 2; ++i) {
+            for (int64_t j = 0; j < Tk; ++j) {
+              const bool want = i < q_len && j < kv_len &&
+                                (!causal || static_cast<__int128>(j) <= static_cast<__int128>(i) + off);
+              ASSERT_EQ(m.allowed(i, j), want) << "causal=" << causal << " q_len=" << q_len << " kv_len=" << kv_len
+                                               << " offset=" << off << " i=" << i << " j=" << j;
+              // The rows attending j are exactly rows_reaching(j) (pre: j < kv_len).
+              if (j < kv_len) ASSERT_EQ(m.rows_reaching(j).contains(i), want) << "rows_reaching, i=" << i << " j=" << j;
+              ++checked;
+            }
+            ASSERT_LE(m.row(i).lo, std::max<int64_t>(m.row(i).hi, 0));
+          }
+        }
+  EXPECT_GT(checked, 10000);
+  // Absent arrays: full lengths and offset 0.
+  const EntryMask full = entry_mask(nullptr, nullptr, nullptr, true, 5, 7, 3);
+  EXPECT_EQ(full.q_len, 5);
+  EXPECT_EQ(full.kv_len, 7);
+  EXPECT_EQ(full.hi(0), 1);
+  EXPECT_EQ(full.hi(4), 5);
+  EXPECT_EQ(full.hi(5), 0) << "padding row";
+}
+
+TEST(AttentionMask, DropoutRuleKeepsUniformAtLeastP) {
+  // The kernels' integer test on raw Philox words equals the reference's
+  // "uniform >= p" for every p, at and around each threshold.
+  const double ps[] = {0.0, 1e-9, 0.1, 0.25, 0.3, 1.0 / 3, 0.5, 0.999999, 1.0 - 1.0 / 16777216, 1.0};
+  for (double p : ps) {
+    const DropoutRule r = dropout_rule(p);
+    EXPECT_EQ(r.keep_scale, p >= 1 ? 0.0 : 1.0 / (1.0 - p)) << p;
+    const int64_t t = r.threshold;
+    for (int64_t u = std::max<int64_t>(t - 3, 0); u <= std::min<int64_t>(t + 3, (1 << 24) - 1); ++u)
+      for (uint32_t low : {0u, 0xffu}) {
+        const uint32_t bits = static_cast<uint32_t>(u) << 8 | low;
+        EXPECT_EQ(r.keeps(bits), uniform_from_bits(bits) >= p) << "p=" << p << " u=" << u;
+      }
+  }
+}
+
+TEST(AttentionMask, DropoutKeyingIsPinned) {
+  // Values of the keying as first shipped: changing it would silently change
+  // every dropout mask users have seeded (the kernels and the reference
+  // would still agree with each other).
+  EXPECT_EQ(dropout_uniform(42, 7, 3, 11, 5), 0.619760692f);
+  EXPECT_EQ(dropout_uniform(1234, 0, 0, 0, 6), 0.977164268f);
+  EXPECT_EQ(dropout_uniform_broadcast(42, 7, 9), 0.735791087f);
+  const Philox4 w = dropout_words(99, 1, 2, 3, 13), b = dropout_words_broadcast(99, 1, 13);
+  const uint32_t want_w[4] = {0xf58a6f1du, 0x6baedb22u, 0xbee0eba1u, 0x4e6ac11fu};
+  const uint32_t want_b[4] = {0xc7bf6686u, 0xe1d6b946u, 0xdd90955cu, 0xe44f2bf0u};
+  for (int l = 0; l < 4; ++l) {
+    EXPECT_EQ(w.v[l], want_w[l]) << l;
+    EXPECT_EQ(b.v[l], want_b[l]) << l;
   }
 }
 

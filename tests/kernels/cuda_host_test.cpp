@@ -15,15 +15,15 @@
 #include <string>
 #include <vector>
 
-#include "backends/src/cuda_flash_gate.h"
-#include "kernels/common/attention_params.h"
-#include "kernels/common/philox.h"
-#include "kernels/cpu/flash_attention.h"
-#include "kernels/cpu/thread_pool.h"
-#include "kernels/cuda/flash_attention_cuda.h"
+#include "adapters/cuda_flash_gate.h"
+#include "common/attention_params.h"
+#include "common/philox.h"
+#include "cpu/flash_attention.h"
+#include "cpu/thread_pool.h"
+#include "cuda/flash_attention_cuda.h"
 #if defined(DIMATTN_TEST_WITH_CUDA)
-#include "tests/kernels/bf16_bits.h"
-#include "tests/kernels/cuda_test_support.h"
+#include "bf16_bits.h"
+#include "cuda_test_support.h"
 #endif
 
 namespace dimattn::kernels {
@@ -119,11 +119,13 @@ TEST(CudaFlashGate, RejectsWithReasons) {
   EXPECT_TRUE(contains(cuda_flash_gate(p, true), "dk must start on a 16-byte boundary"));
 }
 
-TEST(CudaFlashGate, CpuKernelRejectsFloat16WithAReason) {
+TEST(CudaFlashGate, KernelsRejectElementTypesOutsideTheirSetWithAReason) {
   AttentionKernelParams p = gate_params();
   p.dtype = ElementType::float16;
-  EXPECT_TRUE(contains(p.validate(false), "this kernel does not take float16; it takes float32, float64, bfloat16"))
-      << p.validate(false);
+  EXPECT_EQ(p.validate(false), "") << "the CPU kernel takes float16";
+  p.dtype = ElementType::float32;
+  EXPECT_TRUE(contains(cuda_flash_gate(p, false), "this kernel does not take float32; it takes bfloat16, float16"))
+      << cuda_flash_gate(p, false);
 }
 
 TEST(CudaFlashGate, BackwardWorkspaceHoldsDqAndRowSums) {

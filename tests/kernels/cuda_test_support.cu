@@ -4,8 +4,8 @@
 
 #include <stdexcept>
 
-#include "kernels/common/philox.h"
-#include "tests/kernels/cuda_test_support.h"
+#include "common/philox.h"
+#include "cuda_test_support.h"
 
 namespace dimattn::testing::cuda {
 namespace {

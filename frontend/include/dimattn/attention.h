@@ -7,8 +7,12 @@
 //                                       query's dims that keys/values lack
 //
 // - Dims shared by query and keys/values (other than axis) are batch dims.
-// - Query dims absent from keys/values (e.g. beam) are merged into the query
-//   spatial dim and split back afterwards: keys and values are never tiled.
+// - Query dims absent from keys/values (e.g. beam, or the query heads that
+//   share one kv head in GQA) reach the backend as roles, not merged: one is
+//   the query spatial dim (causal_query_spatial_dim, else the longest), the
+//   rest are query groups (dimattn/ext/attention_call.h). Kernels treat groups
+//   as more query rows or as GQA heads, as views where strides allow; keys and
+//   values are never tiled over them (docs/architecture.md, "Deviation").
 // - A query without any such dim (one decoding step) is given a size-1 query
 //   dim, removed again from the result. Keys dims absent from the query are
 //   broadcast.

@@ -1,0 +1,147 @@
+#include "adapters/cpu_flash_path.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+
+#include "cpu/flash_attention.h"
+#include "dimattn/cpu_threads.h"
+#include "dimattn/internal/check.h"
+
+namespace dimattn::detail {
+namespace {
+
+constexpr const char* kOp = "dot_attention";
+
+HostView host(Backend& be, const RawPtr& x) { return host_memory(be)(x); }
+
+template <class F>
+void run_kernel(F&& f) {
+  try {
+    f();
+  } catch (const std::invalid_argument& e) {
+    fail(kOp, "cpu_flash: ", e.what());
+  }
+}
+
+}  // namespace
+
+KernelEntry cpu_flash_entry() {
+  return {"cpu_flash", DeviceType::cpu, cpu_flash_gate, {.last_dim_unit_stride = true},
+          [](Backend& be, const AttentionCall& c) { return cpu_flash_attention(be, c, default_parallel_for()); }};
+}
+
+GateResult cpu_flash_gate(const AttentionParams& p) {
+  if (p.device != DeviceType::cpu) return GateResult::fail("runs on CPU only");
+  if (p.dtype != DType::float32 && p.dtype != DType::bfloat16 && p.dtype != DType::float16 && p.dtype != DType::float64)
+    return GateResult::fail(std::string("does not take ") + dtype_name(p.dtype) +
+                            "; float32, bfloat16, float16 or float64");
+  return GateResult::pass();
+}
+
+FlashForward flash_forward(Backend& be, const AttentionCall& c, const FlashLayout& l, const FlashInputs& in,
+                           const kernels::ParallelFor& pf) {
+  const HostView q = host(be, in.q), k = host(be, in.k), v = host(be, in.v);
+  const DType lse_dtype = q.dtype == DType::float64 ? DType::float64 : DType::float32;
+  const int64_t H = l.Hkv * l.G;
+  FlashForward f{be.full({l.B, H, l.Tq, l.Dv}, 0.0, q.dtype, kCPU), be.full({l.B, H, l.Tq}, 0.0, lse_dtype, kCPU)};
+  const HostView out = host(be, f.out), lse = host(be, f.lse);
+  FlashParams pr;
+  flash_params(pr, c, l, q, k, v);
+  set_forward_outputs(pr.p, out, lse);
+  run_kernel([&] { kernels::flash_attention_forward_cpu(pr.p, pf); });
+  return f;
+}
+
+FlashInputs flash_backward(Backend& be, const AttentionCall& c, const FlashLayout& l, const FlashInputs& in,
+                           const FlashForward& fwd, const RawPtr& dout, const kernels::ParallelFor& pf) {
+  const HostView q = host(be, in.q), k = host(be, in.k), v = host(be, in.v);
+  const RawPtr dout_c = be.contiguous(dout);
+  FlashInputs g{be.full(q.sizes, 0.0, q.dtype, kCPU), be.full(k.sizes, 0.0, k.dtype, kCPU),
+                be.full(v.sizes, 0.0, v.dtype, kCPU)};
+  const HostView out = host(be, fwd.out), lse = host(be, fwd.lse), d = host(be, dout_c);
+  const HostView dq = host(be, g.q), dk = host(be, g.k), dv = host(be, g.v);
+  FlashParams pr;
+  flash_params(pr, c, l, q, k, v);
+  set_forward_outputs(pr.p, out, lse);
+  set_backward_tensors(pr.p, d, dq, dk, dv);
+  run_kernel([&] { kernels::flash_attention_backward_cpu(pr.p, pf); });
+  return g;
+}
+
+Tensor cpu_flash_attention(Backend& be, const AttentionCall& c, const kernels::ParallelFor& pf) {
+  const FlashLayout layout = flash_layout(c);
+  const FlashForward fwd = flash_forward(be, c, layout, flash_inputs(be, c, layout), pf);
+  return flash_output(be, c, layout, fwd.out);
+}
+
+AttentionCallGrads cpu_flash_attention_backward(Backend& be, const AttentionCall& c, const Tensor& grad_output,
+                                                const kernels::ParallelFor& pf) {
+  const char* op = "dot_attention_backward";
+  DIMATTN_CHECK(c.query.device().type == DeviceType::cpu && be.host_view(c.query.raw()).has_value(), op,
+        "needs CPU tensors whose backend exposes host memory; got ", c.query.repr(),
+        ". On the torch backend use Tensor::backward");
+  const GateResult gate = cpu_flash_gate(attention_params(c, LayoutClass::separate, false));
+  DIMATTN_CHECK(gate.ok, op, "cpu_flash cannot run this call: ", gate.reason);
+  DIMATTN_CHECK(grad_output.dtype() == c.query.dtype(), op, "grad_output has dtype ", dtype_name(grad_output.dtype()),
+        "; the output of this call has ", dtype_name(c.query.dtype()));
+
+  const FlashLayout l = flash_layout(c);
+  const FlashInputs in = flash_inputs(be, c, l);
+  const FlashForward fwd = flash_forward(be, c, l, in, pf);
+  // The upstream gradient in the kernel's output order.
+  const Dims out_order = join({l.outer, l.head, c.query_groups, {c.query_spatial}, c.value_feature});
+  Dims missing, extra;
+  for (const Dim& d : out_order)
+    if (!grad_output.has(d)) missing.push_back(d);
+  for (const Dim& d : grad_output.dims())
+    if (!contains(out_order, d)) extra.push_back(d);
+  DIMATTN_CHECK(missing.empty() && extra.empty(), op, "grad_output has dims ", repr(grad_output.dims()),
+        "; the output of this call has ", repr(out_order));
+  const RawPtr dout4 = be.reshape(raw_in_order(op, grad_output, out_order, false), {l.B, l.Hkv * l.G, l.Tq, l.Dv});
+  const FlashInputs g = flash_backward(be, c, l, in, fwd, dout4, pf);
+
+  auto named = [&](const RawPtr& raw, const Dims& dims) {
+    Shape shape;
+    for (const Dim& d : dims) shape.push_back(d.extent());
+    return Tensor(dims, c.query.dtype(), kCPU, be.reshape(raw, shape), &be);
+  };
+  const Dims kv_heads = join({l.outer, l.head});
+  return {named(g.q, join({kv_heads, c.query_groups, {c.query_spatial, c.key_dim}})),
+          named(g.k, join({kv_heads, {c.kv_spatial, c.key_dim}})),
+          named(g.v, join({kv_heads, {c.kv_spatial}, c.value_feature}))};
+}
+
+namespace {
+std::atomic<int> g_threads{0};
+}  // namespace
+
+kernels::ParallelFor default_parallel_for() {
+  // One pool per thread count, kept for the process: a call may still be
+  // running on a pool when another thread changes the count.
+  static std::mutex mu;
+  static std::map<int, std::unique_ptr<kernels::ThreadPool>> pools;
+  const int n = cpu_threads();
+  std::lock_guard lock(mu);
+  auto& pool = pools[n];
+  if (!pool) pool = std::make_unique<kernels::ThreadPool>(n);
+  return pool->as_parallel_for();
+}
+
+}  // namespace dimattn::detail
+
+namespace dimattn {
+
+void set_cpu_threads(int n) { detail::g_threads = n; }
+
+int cpu_threads() {
+  if (const int n = detail::g_threads; n > 0) return n;
+  if (const char* env = std::getenv("DIMATTN_NUM_THREADS"); env && std::atoi(env) > 0) return std::atoi(env);
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+}  // namespace dimattn

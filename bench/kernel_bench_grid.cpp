@@ -1,0 +1,336 @@
+// kernel_bench's grid: every (dtype, D, T, causal) configuration timed side
+// by side for ours, ATen and the reference path, with the GEMM rate, printed
+// as a markdown table (and JSON with --json).
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "dimattn/attention.h"
+#include "dimattn/forcing.h"
+#include "dimattn/ops.h"
+#include "dimattn/torch_interop.h"
+#include "kernel_bench.h"
+
+namespace dimattn::bench::kernel_bench {
+namespace {
+
+at::ScalarType scalar_type(const std::string& name) { return name == "float32" ? at::kFloat : at::kBFloat16; }
+
+double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kFloat) - b.to(at::kFloat)).abs().max().item<double>();
+}
+
+double max_abs(const at::Tensor& a) { return a.to(at::kFloat).abs().max().item<double>(); }
+
+// ---------------------------------------------------------------------------
+// GEMM rate
+
+// c = a b, fp32, n x n x n.
+struct Gemm {
+  explicit Gemm(int64_t n) : n(n), a(at::randn({n, n})), b(at::randn({n, n})), c(at::empty({n, n})) {}
+  void run() { at::mm_out(c, a, b); }
+  double flops() const { return 2.0 * n * n * n; }
+  int64_t n;
+  at::Tensor a, b, c;
+};
+
+double gemm_gflops(int64_t n) {
+  Gemm g(n);
+  g.run();  // warm-up
+  std::vector<double> t;
+  const double budget = 2.0, start = now_s();
+  while (t.size() < 5 || (t.size() < 15 && now_s() - start < budget)) t.push_back(time_call([&] { g.run(); }));
+  return g.flops() / median(t) / 1e9;
+}
+
+// ---------------------------------------------------------------------------
+// One configuration of the grid
+
+struct Variant {
+  std::string name;
+  std::function<void()> run;
+  std::vector<double> times;
+  bool repeat = true;
+};
+
+struct Row {
+  std::string dtype;
+  int64_t D = 0, T = 0;
+  bool causal = false;
+  double flops_fwd = 0;
+  // medians in seconds; NAN = not run
+  double ours_fwd = NAN, aten_fwd = NAN, ref_fwd = NAN;
+  double ours_bwd = NAN, aten_bwd = NAN, ref_fwdbwd = NAN;
+  int reps = 0;             // timed rounds
+  std::string single_runs;  // variants timed once
+  double gemm = NAN;  // GFLOP/s of the GEMM timed in the same rounds
+  double err_out = NAN, err_grad = NAN, err_ref = NAN;  // vs ATen (grads relative to their max), ours vs ref
+  bool ok = true;
+};
+
+// Runs the variants: warm-up, then interleaved rounds.
+int run_rounds(std::vector<Variant>& vs, const Options& o) {
+  double round_s = 0;
+  for (Variant& v : vs) {
+    const double t = time_call(v.run);
+    if (t > o.single_run_s) {
+      v.repeat = false;
+      v.times.push_back(t);
+    } else {
+      round_s += t;
+    }
+  }
+  int reps = o.min_reps;
+  if (round_s > 0) reps = static_cast<int>(std::clamp(std::floor(o.budget_s / round_s), double(o.min_reps), double(o.max_reps)));
+  for (int r = 0; r < reps; ++r)
+    for (Variant& v : vs)
+      if (v.repeat) v.times.push_back(time_call(v.run));
+  return reps;
+}
+
+Row run_config(const Options& o, const std::string& dtype, int64_t D, int64_t T, bool causal,
+               const k::ParallelFor& pf, Gemm* gemm) {
+  const at::ScalarType dt = scalar_type(dtype);
+  const int64_t B = o.batch, H = o.heads;
+  at::manual_seed(0);
+  Problem pr = make_problem(B, H, T, D, dt, causal, o.backward);
+  Row row;
+  row.dtype = dtype;
+  row.D = D;
+  row.T = T;
+  row.causal = causal;
+  row.flops_fwd = 4.0 * B * H * T * T * D * (causal ? 0.5 : 1.0);
+
+  at::Tensor aout, alse, adq, adk, adv;
+  std::vector<Variant> vs;
+  vs.push_back({"ours fwd", [&] { k::flash_attention_forward_cpu(pr.p, pf); }});
+  vs.push_back({"aten fwd", [&] {
+                  std::tie(aout, alse) = at::_scaled_dot_product_flash_attention_for_cpu(pr.q, pr.k, pr.v, 0.0, causal);
+                }});
+  if (o.backward) {
+    vs.push_back({"ours bwd", [&] { k::flash_attention_backward_cpu(pr.p, pf); }});
+    vs.push_back({"aten bwd", [&] {
+                    std::tie(adq, adk, adv) = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+                        pr.dout, pr.q, pr.k, pr.v, aout, alse, 0.0, causal);
+                  }});
+  }
+
+  // The reference path: dimattn::dot_attention forced to "reference" on the
+  // torch backend, over the same memory.
+  const bool ref = o.reference && T <= o.ref_max_T;
+  dimattn::Dim bd("batch", B), hd("heads", H), td("time", T), fd("feat", D);
+  const dimattn::Dims dims = {bd, hd, td, fd};
+  dimattn::AttentionOptions ao{.key_dim = fd, .axis = td};
+  if (causal) ao.causal_query_spatial_dim = td;
+  at::Tensor ref_out, gq, gk, gv, ref_dout;
+  if (ref) {
+    vs.push_back({"ref fwd", [&] {
+                    c10::AutoGradMode no_grad(false);
+                    dimattn::ForceKernels force("reference");
+                    const dimattn::Tensor out =
+                        dimattn::dot_attention(dimattn::from_aten(pr.q, dims), dimattn::from_aten(pr.k, dims),
+                                               dimattn::from_aten(pr.v, dims), ao);
+                    ref_out = dimattn::to_aten(dimattn::align(out, dims));  // a view when already in order
+                  }});
+    if (o.backward) {
+      gq = pr.q.detach().requires_grad_(true);
+      gk = pr.k.detach().requires_grad_(true);
+      gv = pr.v.detach().requires_grad_(true);
+      vs.push_back({"ref fwd+bwd", [&] {
+                      dimattn::ForceKernels force("reference");
+                      for (at::Tensor* g : {&gq, &gk, &gv}) g->mutable_grad() = at::Tensor();
+                      const dimattn::Tensor out =
+                          dimattn::dot_attention(dimattn::from_aten(gq, dims), dimattn::from_aten(gk, dims),
+                                                 dimattn::from_aten(gv, dims), ao);
+                      at::Tensor o4 = dimattn::to_aten(out);
+                      if (!ref_dout.defined()) ref_dout = at::randn(o4.sizes(), o4.options().requires_grad(false));
+                      o4.backward(ref_dout);
+                    }});
+    }
+  }
+
+  // The GEMM rate under the same load as this configuration's variants.
+  if (gemm) vs.push_back({"gemm", [&] { gemm->run(); }});
+
+  row.reps = run_rounds(vs, o);
+  auto med = [&](const std::string& name) {
+    for (const Variant& v : vs)
+      if (v.name == name) return median(v.times);
+    return double(NAN);
+  };
+  row.ours_fwd = med("ours fwd");
+  row.aten_fwd = med("aten fwd");
+  row.ours_bwd = med("ours bwd");
+  row.aten_bwd = med("aten bwd");
+  row.ref_fwd = med("ref fwd");
+  row.ref_fwdbwd = med("ref fwd+bwd");
+  if (gemm) row.gemm = gemm->flops() / med("gemm") / 1e9;
+  for (const Variant& v : vs)
+    if (!v.repeat) row.single_runs += (row.single_runs.empty() ? "" : ", ") + v.name;
+
+  // Agreement: ours against ATen (and the reference where it ran). Loose
+  // bounds that catch a wrong setup, not rounding (bfloat16 stores ~3 digits).
+  const bool f32 = dt == at::kFloat;
+  row.err_out = max_abs_diff(pr.out, aout);
+  if (o.backward) {
+    row.err_grad = 0;
+    const std::pair<at::Tensor, at::Tensor> grads[] = {{pr.dq, adq}, {pr.dk, adk}, {pr.dv, adv}};
+    for (const auto& [ours, theirs] : grads)
+      row.err_grad = std::max(row.err_grad, max_abs_diff(ours, theirs) / std::max(max_abs(theirs), 1e-30));
+  }
+  if (ref_out.defined()) row.err_ref = max_abs_diff(pr.out, ref_out);
+  const double tol_out = f32 ? 1e-4 : 5e-2, tol_grad = f32 ? 1e-3 : 5e-2;
+  row.ok = row.err_out <= tol_out && (!o.backward || row.err_grad <= tol_grad) &&
+           (std::isnan(row.err_ref) || row.err_ref <= tol_out);
+  return row;
+}
+
+// ---------------------------------------------------------------------------
+// Output
+
+void print_table(const std::vector<Row>& rows, const RunInfo& info, bool backward) {
+  const double gemm_global = std::fmax(info.gemm_before, info.gemm_after);  // NAN-safe
+  std::vector<std::string> columns = {"dtype", "D", "T", "causal", "fwd ms ours / ATen / ref",
+                                      "fwd GFLOP/s ours / ATen", "fwd speedup", "fwd %GEMM"};
+  if (backward)
+    columns.insert(columns.end(), {"fwd+bwd ms ours / ATen / ref", "fwd+bwd GFLOP/s ours / ATen", "fwd+bwd speedup",
+                                   "bwd speedup", "fwd+bwd %GEMM"});
+  columns.insert(columns.end(), {"GEMM GFLOP/s", "reps"});
+  std::printf("\n");
+  print_table_header(columns);
+  for (const Row& r : rows) {
+    const double fb_ours = r.ours_fwd + r.ours_bwd, fb_aten = r.aten_fwd + r.aten_bwd;
+    const double f = r.flops_fwd;
+    const double gemm = std::isnan(r.gemm) ? gemm_global : r.gemm;
+    const bool f32 = r.dtype == "float32";
+    std::vector<std::string> cells = {
+        f32 ? "f32" : "bf16",
+        std::to_string(r.D),
+        std::to_string(r.T),
+        r.causal ? "yes" : "no",
+        fmt_ms(r.ours_fwd) + " / " + fmt_ms(r.aten_fwd) + " / " + fmt_ms(r.ref_fwd),
+        fmt("%.1f", gflops(f, r.ours_fwd)) + " / " + fmt("%.1f", gflops(f, r.aten_fwd)),
+        fmt("%.2fx", r.aten_fwd / r.ours_fwd),
+        f32 ? fmt("%.0f%%", 100 * gflops(f, r.ours_fwd) / gemm) : "–"};
+    if (backward)
+      cells.insert(cells.end(),
+                   {fmt_ms(fb_ours) + " / " + fmt_ms(fb_aten) + " / " + fmt_ms(r.ref_fwdbwd),
+                    fmt("%.1f", gflops(3.5 * f, fb_ours)) + " / " + fmt("%.1f", gflops(3.5 * f, fb_aten)),
+                    fmt("%.2fx", fb_aten / fb_ours), fmt("%.2fx", r.aten_bwd / r.ours_bwd),
+                    f32 ? fmt("%.0f%%", 100 * gflops(3.5 * f, fb_ours) / gemm) : "–"});
+    cells.insert(cells.end(), {fmt("%.1f", gemm), std::to_string(r.reps) + (r.single_runs.empty() ? "" : "; once: " + r.single_runs)});
+    print_table_row(cells);
+  }
+  std::printf(
+      "\nms: median %s time; fwd+bwd = forward + backward medians. speedup = ATen ms / ours ms (> 1: ours "
+      "faster). GFLOP/s per DESIGN.md §9 (fwd 4·B·H·T²·D, causal half; fwd+bwd 3.5x). %%GEMM (float32 rows): "
+      "ours over the GEMM column, the fp32 at::mm rate timed in the same rounds (else the higher of the "
+      "before/after GEMM). ref: dot_attention forced to \"reference\" (–: not run).\n",
+      info.clock.c_str());
+  bool all_ok = true;
+  for (const Row& r : rows) all_ok = all_ok && r.ok;
+  std::printf("agreement with ATen%s: %s\n", rows.empty() ? "" : " (max |Δout|, max rel |Δgrad|, max |Δout| vs ref)",
+              all_ok ? "ok" : "FAILED");
+  for (const Row& r : rows)
+    std::printf("  %s D%ld T%ld %s: %s %s %s%s\n", r.dtype.c_str(), static_cast<long>(r.D), static_cast<long>(r.T),
+                r.causal ? "causal" : "full", fmt("%.1e", r.err_out).c_str(), fmt("%.1e", r.err_grad).c_str(),
+                fmt("%.1e", r.err_ref).c_str(), r.ok ? "" : "  <-- exceeds tolerance");
+}
+
+void write_json(const std::string& path, const std::vector<Row>& rows, const RunInfo& info) {
+  std::ofstream f(path);
+  write_json_header(f, info);
+  f << ",\n  \"gemm\": {\"n\": " << info.gemm_n << ", \"round_n\": " << info.gemm_round_n << ", \"gflops_before\": " << json_num(info.gemm_before)
+    << ", \"gflops_after\": " << json_num(info.gemm_after) << "},\n  \"rows\": [";
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    const double f3 = 3.5 * r.flops_fwd;
+    f << (i ? "," : "") << "\n    {\"dtype\": " << json_str(r.dtype) << ", \"D\": " << r.D << ", \"T\": " << r.T
+      << ", \"causal\": " << (r.causal ? "true" : "false") << ", \"flops_fwd\": " << json_num(r.flops_fwd)
+      << ", \"gemm_gflops\": " << json_num(r.gemm) << ", \"reps\": " << r.reps << ", \"single_runs\": " << json_str(r.single_runs)
+      << ",\n     \"ms\": {\"ours_fwd\": " << json_num(r.ours_fwd * 1e3) << ", \"aten_fwd\": " << json_num(r.aten_fwd * 1e3)
+      << ", \"ref_fwd\": " << json_num(r.ref_fwd * 1e3) << ", \"ours_bwd\": " << json_num(r.ours_bwd * 1e3)
+      << ", \"aten_bwd\": " << json_num(r.aten_bwd * 1e3) << ", \"ref_fwd_bwd\": " << json_num(r.ref_fwdbwd * 1e3)
+      << "},\n     \"gflops\": {\"ours_fwd\": " << json_num(gflops(r.flops_fwd, r.ours_fwd))
+      << ", \"aten_fwd\": " << json_num(gflops(r.flops_fwd, r.aten_fwd))
+      << ", \"ours_bwd\": " << json_num(gflops(2.5 * r.flops_fwd, r.ours_bwd))
+      << ", \"aten_bwd\": " << json_num(gflops(2.5 * r.flops_fwd, r.aten_bwd))
+      << ", \"ours_fwd_bwd\": " << json_num(gflops(f3, r.ours_fwd + r.ours_bwd))
+      << ", \"aten_fwd_bwd\": " << json_num(gflops(f3, r.aten_fwd + r.aten_bwd))
+      << ", \"ref_fwd_bwd\": " << json_num(gflops(f3, r.ref_fwdbwd))
+      << "},\n     \"max_abs_err_out_vs_aten\": " << json_num(r.err_out)
+      << ", \"max_rel_err_grad_vs_aten\": " << json_num(r.err_grad)
+      << ", \"max_abs_err_out_vs_ref\": " << json_num(r.err_ref) << ", \"ok\": " << (r.ok ? "true" : "false") << "}";
+  }
+  f << "\n  ]\n}\n";
+}
+
+}  // namespace
+
+int grid_mode(const Options& o, RunInfo info) {
+  if (o.cpu_clock && o.threads > 1)
+    std::printf("note: --clock=cpu with %d threads counts the CPU time of every thread, spin-waiting included\n",
+                o.threads);
+
+  const double start = now_s();
+  if (o.gemm_n > 0) {
+    info.gemm_before = gemm_gflops(o.gemm_n);
+    std::printf("fp32 GEMM at::mm %ld^3, %d threads: %.1f GFLOP/s\n", static_cast<long>(o.gemm_n), o.threads,
+                info.gemm_before);
+  }
+  std::unique_ptr<Gemm> gemm;
+  if (o.gemm_round_n > 0) {
+    gemm = std::make_unique<Gemm>(o.gemm_round_n);
+    std::printf("fp32 GEMM at::mm %ld^3 (timed in every configuration's rounds), %d threads: %.1f GFLOP/s\n",
+                static_cast<long>(o.gemm_round_n), o.threads, gemm_gflops(o.gemm_round_n));
+  }
+  std::fflush(stdout);
+
+  std::unique_ptr<k::ThreadPool> pool;
+  k::ParallelFor pf = aten_parallel_for();
+  if (o.own_pool) {
+    pool = std::make_unique<k::ThreadPool>(o.threads);
+    pf = pool->as_parallel_for();
+  }
+
+  std::vector<Row> rows;
+  for (const std::string& dtype : o.dtypes)
+    for (int64_t D : o.D)
+      for (int64_t T : o.T)
+        for (int64_t c : o.causal) {
+          const double t0 = now_s();
+          rows.push_back(run_config(o, dtype, D, T, c != 0, pf, gemm.get()));
+          const Row& r = rows.back();
+          std::fprintf(stderr, "[%6.0f s] %s D%ld T%ld %s: fwd ours %s ms ATen %s ms, bwd ours %s ms ATen %s ms, GEMM %s GFLOP/s (%d reps, %.1f s)\n",
+                       now_s() - start, dtype.c_str(), static_cast<long>(D), static_cast<long>(T),
+                       c ? "causal" : "full", fmt_ms(r.ours_fwd).c_str(), fmt_ms(r.aten_fwd).c_str(),
+                       fmt_ms(r.ours_bwd).c_str(), fmt_ms(r.aten_bwd).c_str(), fmt("%.1f", r.gemm).c_str(), r.reps,
+                       now_s() - t0);
+        }
+
+  if (o.gemm_n > 0) {
+    info.gemm_after = gemm_gflops(o.gemm_n);
+    std::printf("fp32 GEMM at::mm %ld^3 after the grid: %.1f GFLOP/s\n", static_cast<long>(o.gemm_n), info.gemm_after);
+  }
+  info.wall_s = now_s() - start;
+  info.load_after = load_average();
+  print_table(rows, info, o.backward);
+  std::printf("load average after: %s; wall %.0f s\n", info.load_after.c_str(), info.wall_s);
+  if (!o.json.empty()) write_json(o.json, rows, info);
+  for (const Row& r : rows)
+    if (!r.ok) return 1;
+  return 0;
+}
+
+}  // namespace dimattn::bench::kernel_bench

@@ -1,0 +1,58 @@
+#pragma once
+// AttentionCall: one dot_attention call with names turned into roles, as a
+// backend's attention hook receives it. Backends read roles, never names.
+//
+// Invariants (established by dot_attention):
+//   query  dims = batch ∪ query_groups ∪ {query_spatial, key_dim}
+//   keys   dims ⊆ batch ∪ keys_only ∪ {kv_spatial, key_dim}, ⊇ {kv_spatial, key_dim}
+//   values dims ⊆ batch ∪ keys_only ∪ {kv_spatial} ∪ value_feature, ⊇ {kv_spatial}
+//   output dims = batch ∪ keys_only ∪ query_groups ∪ {query_spatial} ∪ value_feature
+// The query's own dims (those keys/values lack) are query_spatial plus
+// query_groups (e.g. beam, or the query heads sharing one kv head in GQA).
+// Keys and values never carry them: a kernel treats groups as more query rows
+// or as GQA heads, as views where strides allow, and never tiles keys/values.
+// Causal masks use the query_spatial position and broadcast over groups.
+// kv_spatial never appears in the query.
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "dimattn/dim.h"
+#include "dimattn/tensor.h"
+
+namespace dimattn {
+
+struct AttentionCall {
+  Tensor query, keys, values;
+  Dims batch;          // in the query's order: the canonical order of the flat batch index
+  Dims keys_only;      // in keys/values, not in the query: broadcast over
+  Dims query_groups;   // the query's own dims besides query_spatial
+  Dim query_spatial;
+  Dim kv_spatial;
+  Dim key_dim;
+  Dims value_feature;
+  double scale = 1.0;
+  bool causal = false;
+  std::optional<Tensor> causal_offset;  // int, over a subset of batch dims; absent = 0
+  double dropout = 0.0;                 // effective: 0 unless the train flag is on
+  bool dropout_broadcast = false;
+  uint64_t dropout_seed = 0;
+  uint64_t dropout_offset = 0;
+};
+
+// The keep mask of the call's attention dropout, drawn from the shared Philox
+// stream (kernels/common/philox.h): a bool tensor beside `like` (same backend
+// and device) over {kv_spatial} for broadcast dropout, else over batch,
+// keys_only, query_groups, query_spatial and kv_spatial. Every path that
+// applies attention dropout uses this mask or the same Philox function.
+// pre: call.dropout > 0.
+Tensor attention_dropout_keep_mask(const AttentionCall& call, const Tensor& like);
+
+// Gradients of one call's output with respect to its query, keys and values
+// (Backend::attention_backward): each over the dims of the role tensor it
+// belongs to, in any order (keys/values may carry broadcast dims they lack).
+struct AttentionCallGrads {
+  Tensor query, keys, values;
+};
+
+}  // namespace dimattn

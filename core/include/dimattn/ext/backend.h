@@ -1,0 +1,136 @@
+#pragma once
+// The Backend interface: raw primitives over positional axes, plus the
+// attention hook. Backends never reason about names; the frontend maps names
+// to axes before it calls them and after they return.
+//
+// Conventions for every primitive:
+// - shapes are row-major, axis 0 outermost; a rank-0 tensor has shape {};
+// - binary ops and where() take operands of equal rank and broadcast axes of
+//   size 1 (numpy rules);
+// - results are new tensors or views; callers never write into operands.
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dimattn/ext/attention_call.h"
+#include "dimattn/ext/kernel_table.h"
+#include "dimattn/dtype.h"
+#include "dimattn/selection.h"
+#include "dimattn/tensor.h"
+
+namespace dimattn {
+
+using Shape = std::vector<int64_t>;
+
+enum class BinaryOp { add, sub, mul, div, maximum, minimum, eq, ne, lt, le, gt, ge, logical_and, logical_or };
+enum class UnaryOp { neg, exp, log, sqrt, abs, logical_not };
+enum class ReduceOp { sum, max, min, mean, logsumexp };
+enum class RandomKind { normal, uniform };
+
+const char* op_name(BinaryOp);
+const char* op_name(UnaryOp);
+const char* op_name(ReduceOp);
+
+// A CPU tensor's memory as raw-pointer kernels read it.
+struct HostView {
+  void* data = nullptr;  // first element
+  Shape sizes;
+  std::vector<int64_t> strides;  // in elements
+  DType dtype = DType::float32;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual std::string name() const = 0;
+  virtual bool supports(Device device) const = 0;
+  virtual bool has_autograd() const { return false; }
+
+  // --- creation and host transfer (data row-major, as double) ---
+  virtual RawPtr full(const Shape& shape, double value, DType dtype, Device device) = 0;
+  virtual RawPtr from_host(const Shape& shape, const std::vector<double>& data, DType dtype, Device device) = 0;
+  virtual std::vector<double> to_host(const RawPtr& x) = 0;
+  // Same seed, shape and dtype give the same values on the same backend.
+  virtual RawPtr random(const Shape& shape, RandomKind kind, double a, double b, uint64_t seed, DType dtype,
+                        Device device) = 0;
+  virtual RawPtr arange(int64_t n, DType dtype, Device device) = 0;
+
+  // --- introspection ---
+  virtual Shape shape(const RawPtr& x) = 0;
+
+  // --- layout ---
+  virtual RawPtr cast(const RawPtr& x, DType dtype) = 0;
+  virtual RawPtr to_device(const RawPtr& x, Device device) = 0;
+  virtual RawPtr permute(const RawPtr& x, const std::vector<int>& perm) = 0;
+  // pre: product of shape equals x's element count.
+  virtual RawPtr reshape(const RawPtr& x, const Shape& shape) = 0;
+  // Broadcast size-1 axes to `shape` (same rank); may be a zero-stride view.
+  virtual RawPtr expand(const RawPtr& x, const Shape& shape) = 0;
+  virtual RawPtr concat(const std::vector<RawPtr>& xs, int axis) = 0;
+  virtual RawPtr slice(const RawPtr& x, int axis, int64_t start, int64_t end) = 0;
+  // take_along_axis: idx (int64) has x's rank and x's sizes except on `axis`;
+  // out[..., i, ...] = x[..., idx[..., i, ...], ...].
+  virtual RawPtr gather(const RawPtr& x, int axis, const RawPtr& idx) = 0;
+  // x itself when dense row-major, else a dense row-major copy.
+  virtual RawPtr contiguous(const RawPtr& x) = 0;
+  // x's memory when it lives on the host and the backend exposes it; kernels
+  // in kernels/cpu read and write through it. Default: not exposed.
+  virtual std::optional<HostView> host_view(const RawPtr& x);
+
+  // --- math ---
+  virtual RawPtr binary(BinaryOp op, const RawPtr& a, const RawPtr& b) = 0;
+  virtual RawPtr unary(UnaryOp op, const RawPtr& x) = 0;
+  virtual RawPtr where(const RawPtr& cond, const RawPtr& a, const RawPtr& b) = 0;
+  // Removes `axes` (sorted, unique).
+  virtual RawPtr reduce(ReduceOp op, const RawPtr& x, const std::vector<int>& axes) = 0;
+  virtual RawPtr softmax(const RawPtr& x, int axis, bool log) = 0;
+  // Batched matrix product: a [B, M, K] x b [B, K, N] -> [B, M, N].
+  virtual RawPtr bmm(const RawPtr& a, const RawPtr& b) = 0;
+
+  // --- autograd (only where has_autograd()) ---
+  virtual void set_requires_grad(const RawPtr& x, bool on);
+  virtual bool requires_grad(const RawPtr& x);
+  virtual RawPtr grad(const RawPtr& x);  // nullptr when none
+  virtual void backward(const RawPtr& scalar);
+
+  // --- attention ---
+  // dot_attention owns the choice between its reference path (frontend) and
+  // a fused kernel: it asks decide_attention, runs the reference path itself
+  // when that is the decision, and else asks run_attention to run the
+  // chosen kernel. Both read the backend's kernel table.
+  //
+  // Every attention kernel of this backend, devices mixed, each device's in
+  // priority order ending with the reference entry (kernel_table.h).
+  // Default: the reference path alone.
+  virtual const KernelTable& attention_table() const;
+  // The selection fields of a call on this backend: the layout class is
+  // detected from the views its kernels would read. Default: `separate`,
+  // no gradients.
+  virtual AttentionParams attention_params_of(const AttentionCall& call);
+  // The decision for `call`, with every rejected candidate's reason.
+  Decision decide_attention(const AttentionCall& call);
+  // Runs `kernel`, which decide_attention chose for `call` (never the
+  // reference path); returns the output (dims as AttentionCall says).
+  Tensor run_attention(const AttentionCall& call, const std::string& kernel);
+  // Gradients of the call's output with respect to query, keys and values
+  // for an upstream gradient over the output's dims, through a fused kernel:
+  // for backends without autograd (dot_attention_backward). Recomputes the
+  // forward pass. Default: throws, naming the backend.
+  virtual AttentionCallGrads attention_backward(const AttentionCall& call, const Tensor& grad_output);
+  // The names of attention_table()'s kernels on a device, in priority order.
+  std::vector<std::string> attention_kernels(Device device) const;
+};
+
+// x's raw tensor with its dims permuted into their order in `order` and a
+// size-1 axis for each dim of `order` that x lacks (broadcast to the dim's
+// extent when `expand`): the name -> axis mapping every op and adapter uses.
+// Throws, naming `op`, when x has a dim that `order` lacks.
+RawPtr raw_in_order(const char* op, const Tensor& x, const Dims& order, bool expand);
+// An integer tensor's values (lengths, offsets) over `order` (dims it lacks
+// broadcast), row-major, on the host. pre: t's dims are in order.
+std::vector<int64_t> host_ints(const Tensor& t, const Dims& order);
+
+}  // namespace dimattn

@@ -1,0 +1,107 @@
+#pragma once
+// Kernel selection for dot_attention (DESIGN.md §4).
+//
+// AttentionParams holds exactly the fields that can change which kernel runs:
+// never batch sizes, sequence lengths, pointers or RNG seeds, which change
+// every step and would make every step select anew. Each backend lists its
+// candidate kernels in priority order; each candidate's gate returns
+// {ok, reason} as a value; the first candidate whose gate passes (and that
+// forcing allows) wins. Decisions are cached per params, thread-safely, with
+// counters; DIMATTN_DEBUG=1 logs each new decision once with every rejection.
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "dimattn/ext/attention_call.h"
+#include "dimattn/dtype.h"
+
+namespace dimattn {
+
+// How q, k and v sit in memory, detected from strides (layout.h).
+enum class LayoutClass {
+  separate,     // three tensors, each in [batch.., spatial, feature] order
+  permuted,     // three tensors, at least one a permuted view (e.g. [B, T, H, D] read as [B, H, T, D])
+  packed_qkv,   // q, k and v are views of one buffer
+  packed_kv,    // k and v are views of one buffer, q is separate
+  strided,      // any other: last-dim stride != 1, broadcast (zero) strides, overlapping views
+};
+const char* layout_name(LayoutClass);
+
+enum class OffsetKind { none, nonzero };  // causal offset: none/0, or a history length
+
+struct AttentionParams {
+  DeviceType device = DeviceType::cpu;
+  DType dtype = DType::float32;
+  int64_t head_dim_qk = 0;
+  int64_t head_dim_v = 0;
+  bool causal = false;
+  OffsetKind offset = OffsetKind::none;
+  bool dropout = false;
+  bool dropout_broadcast = false;
+  bool padding = false;      // dynamic kv lengths to mask
+  int64_t gqa_ratio = 1;     // query rows per kv head from query groups (GQA, beam); 1 without groups
+  bool keys_only = false;    // keys/values carry dims the query lacks (broadcast)
+  LayoutClass layout = LayoutClass::separate;
+  bool requires_grad = false;
+  bool deterministic = false;  // deterministic_algorithms() (forcing.h)
+  std::string forced;        // the forcing spec in effect ("auto", "reference", "a,b")
+
+  bool operator==(const AttentionParams&) const = default;
+  std::string describe() const;  // one line, every field
+};
+
+struct AttentionParamsHash {
+  size_t operator()(const AttentionParams& p) const;
+};
+
+struct GateResult {
+  bool ok = true;
+  std::string reason;  // why not, when !ok
+  static GateResult pass() { return {}; }
+  static GateResult fail(std::string why) { return {false, std::move(why)}; }
+};
+
+struct KernelCandidate {
+  std::string name;
+  std::function<GateResult(const AttentionParams&)> gate;
+};
+
+// The name of dot_attention's reference path among the kernel names.
+inline constexpr const char* kReferenceKernel = "reference";
+
+struct Rejection {
+  std::string kernel;
+  std::string reason;
+};
+
+struct Decision {
+  std::string kernel;               // the chosen kernel
+  std::vector<Rejection> rejected;  // every candidate tried before it, with the reason
+  std::string explain() const;      // multi-line, for logs, `dimattn explain` and errors
+};
+
+// Decides among `candidates` (priority order; the last must be "reference",
+// whose gate always passes). Honours params.forced: a forced list keeps only
+// its kernels; when none of them can run, throws dimattn::Error listing the
+// reasons. Cached per (backend, params).
+Decision select_kernel(const std::string& backend, const AttentionParams& params,
+                       const std::vector<KernelCandidate>& candidates);
+
+struct SelectionStats {
+  uint64_t lookups = 0;        // select_kernel calls
+  uint64_t selections = 0;     // cache misses: gates actually evaluated
+  uint64_t entries = 0;        // distinct keys cached
+  uint64_t layout_copies = 0;  // q/k/v/mask copies made because a kernel could not take a view
+};
+SelectionStats selection_stats();
+void reset_selection_cache();  // clears entries and counters (tests, benchmarks)
+
+// The roles of a call as AttentionParams, with the given layout class (the
+// backend detects it) and the current forcing and determinism settings.
+// (Calls under a capturing TraceScope never get here: dot_attention runs the
+// reference path for them itself.)
+AttentionParams attention_params(const AttentionCall& call, LayoutClass layout, bool requires_grad);
+
+}  // namespace dimattn

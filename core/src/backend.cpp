@@ -1,0 +1,99 @@
+#include "dimattn/ext/backend.h"
+
+#include "dimattn/error.h"
+#include "dimattn/internal/check.h"
+
+namespace dimattn {
+
+const char* op_name(BinaryOp op) {
+  constexpr const char* names[] = {"add", "sub", "mul", "div", "maximum", "minimum", "eq",
+                                   "ne",  "lt",  "le",  "gt",  "ge",      "logical_and", "logical_or"};
+  return names[static_cast<int>(op)];
+}
+const char* op_name(UnaryOp op) {
+  constexpr const char* names[] = {"neg", "exp", "log", "sqrt", "abs", "logical_not"};
+  return names[static_cast<int>(op)];
+}
+const char* op_name(ReduceOp op) {
+  constexpr const char* names[] = {"sum", "max", "min", "mean", "logsumexp"};
+  return names[static_cast<int>(op)];
+}
+
+std::optional<HostView> Backend::host_view(const RawPtr&) { return std::nullopt; }
+
+// Backends without autograd: requests for gradients are errors, queries are "no".
+void Backend::set_requires_grad(const RawPtr&, bool on) {
+  DIMATTN_CHECK(!on, "requires_grad", "backend '", name(), "' has no autograd; use the torch backend for gradients");
+}
+bool Backend::requires_grad(const RawPtr&) { return false; }
+RawPtr Backend::grad(const RawPtr&) { return nullptr; }
+void Backend::backward(const RawPtr&) {
+  detail::fail("backward", "backend '", name(), "' has no autograd; use the torch backend for gradients");
+}
+
+KernelEntry reference_entry(DeviceType device) {
+  return {kReferenceKernel, device, [](const AttentionParams&) { return GateResult::pass(); }, {}, {}};
+}
+
+const KernelTable& Backend::attention_table() const {
+  static const KernelTable table = {reference_entry(DeviceType::cpu), reference_entry(DeviceType::cuda)};
+  return table;
+}
+
+AttentionParams Backend::attention_params_of(const AttentionCall& call) {
+  return attention_params(call, LayoutClass::separate, false);
+}
+
+Decision Backend::decide_attention(const AttentionCall& call) {
+  const AttentionParams params = attention_params_of(call);
+  return select_kernel(name(), params, attention_table());
+}
+
+Tensor Backend::run_attention(const AttentionCall& call, const std::string& kernel) {
+  const DeviceType device = call.query.device().type;
+  for (const KernelEntry& e : attention_table())
+    if (e.device == device && e.name == kernel && e.run) return e.run(*this, call);
+  detail::fail("dot_attention", "backend '", name(), "' has no attention kernel '", kernel, "' on ",
+               device_name(call.query.device()));
+}
+
+AttentionCallGrads Backend::attention_backward(const AttentionCall&, const Tensor&) {
+  detail::fail("dot_attention_backward", "backend '", name(), "' has no fused attention backward; ",
+               "use a backend with autograd (torch) and Tensor::backward");
+}
+
+std::vector<std::string> Backend::attention_kernels(Device device) const {
+  std::vector<std::string> names;
+  for (const KernelEntry& e : attention_table())
+    if (e.device == device.type) names.push_back(e.name);
+  return names;
+}
+
+RawPtr raw_in_order(const char* op, const Tensor& x, const Dims& order, bool expand) {
+  for (const Dim& d : x.dims())
+    DIMATTN_CHECK(contains(order, d), op, "dim ", d.repr(), " of ", repr(x.dims()), " is missing from ", repr(order));
+  Backend& b = x.backend();
+  RawPtr raw = x.raw();
+  // Permute x's own dims into the order they take in `order`.
+  std::vector<int> perm;
+  for (const Dim& d : order)
+    if (int a = x.axis_of(d); a >= 0) perm.push_back(a);
+  bool identity = true;
+  for (size_t i = 0; i < perm.size(); ++i) identity = identity && perm[i] == static_cast<int>(i);
+  if (!identity) raw = b.permute(raw, perm);
+  if (order.size() == x.dims().size()) return raw;
+  Shape ones, full_shape;
+  for (const Dim& d : order) {
+    ones.push_back(x.has(d) ? d.extent() : 1);
+    full_shape.push_back(d.extent());
+  }
+  raw = b.reshape(raw, ones);
+  return expand ? b.expand(raw, full_shape) : raw;
+}
+
+std::vector<int64_t> host_ints(const Tensor& t, const Dims& order) {
+  const std::vector<double> values = t.backend().to_host(raw_in_order("host_ints", t, order, true));
+  return std::vector<int64_t>(values.begin(), values.end());
+}
+
+}  // namespace dimattn

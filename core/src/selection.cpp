@@ -1,0 +1,195 @@
+#include "dimattn/selection.h"
+
+#include "dimattn/ext/kernel_table.h"
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+#include "dimattn/error.h"
+#include "dimattn/forcing.h"
+#include "dimattn/internal/check.h"
+#include "dimattn/internal/counters.h"
+
+namespace dimattn {
+
+const char* layout_name(LayoutClass c) {
+  switch (c) {
+    case LayoutClass::separate: return "separate";
+    case LayoutClass::permuted: return "permuted";
+    case LayoutClass::packed_qkv: return "packed_qkv";
+    case LayoutClass::packed_kv: return "packed_kv";
+    case LayoutClass::strided: return "strided";
+  }
+  return "?";
+}
+
+std::string AttentionParams::describe() const {
+  std::ostringstream os;
+  os << "device=" << (device == DeviceType::cpu ? "cpu" : "cuda") << " dtype=" << dtype_name(dtype)
+     << " head_dim=" << head_dim_qk << "/" << head_dim_v << " causal=" << causal
+     << " offset=" << (offset == OffsetKind::none ? "none" : "nonzero") << " dropout=" << dropout
+     << " broadcast_dropout=" << dropout_broadcast << " padding=" << padding << " gqa_ratio=" << gqa_ratio
+     << " keys_only=" << keys_only << " layout=" << layout_name(layout) << " requires_grad=" << requires_grad
+     << " deterministic=" << deterministic << " forced=" << forced;
+  return os.str();
+}
+
+size_t AttentionParamsHash::operator()(const AttentionParams& p) const {
+  size_t h = std::hash<std::string>()(p.forced);
+  auto mix = [&h](uint64_t v) { h ^= std::hash<uint64_t>()(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2); };
+  mix(static_cast<uint64_t>(p.device));
+  mix(static_cast<uint64_t>(p.dtype));
+  mix(static_cast<uint64_t>(p.head_dim_qk));
+  mix(static_cast<uint64_t>(p.head_dim_v));
+  mix(static_cast<uint64_t>(p.gqa_ratio));
+  mix(static_cast<uint64_t>(p.layout));
+  mix(static_cast<uint64_t>(p.offset));
+  mix((uint64_t{p.causal} << 0) | (uint64_t{p.dropout} << 1) | (uint64_t{p.dropout_broadcast} << 2) |
+      (uint64_t{p.padding} << 3) | (uint64_t{p.keys_only} << 4) | (uint64_t{p.requires_grad} << 5) |
+      (uint64_t{p.deterministic} << 6));
+  return h;
+}
+
+std::string Decision::explain() const {
+  std::string s = "selected " + kernel;
+  for (const auto& r : rejected) s += "\n  rejected " + r.kernel + ": " + r.reason;
+  return s;
+}
+
+namespace {
+
+struct Key {
+  std::string backend;
+  AttentionParams params;
+  bool operator==(const Key&) const = default;
+};
+struct KeyHash {
+  size_t operator()(const Key& k) const { return AttentionParamsHash()(k.params) ^ std::hash<std::string>()(k.backend); }
+};
+
+struct Cache {
+  std::mutex mu;
+  std::unordered_map<Key, Decision, KeyHash> decisions;
+  uint64_t lookups = 0, selections = 0;
+  std::atomic<uint64_t> copies{0};
+};
+Cache& cache() {
+  static Cache* c = new Cache;  // never destroyed: selection may run during static destruction
+  return *c;
+}
+
+bool debug_enabled() {
+  const char* env = std::getenv("DIMATTN_DEBUG");
+  return env && *env && std::string(env) != "0";
+}
+
+Decision decide(const AttentionParams& params, const std::vector<KernelCandidate>& candidates) {
+  const KernelForce force = parse_kernel_force(params.forced);
+  Decision d;
+  for (const auto& c : candidates) {
+    if (!force.allows(c.name)) {
+      d.rejected.push_back({c.name, "not among the forced kernels (" + force.describe() + ")"});
+      continue;
+    }
+    GateResult g = c.gate(params);
+    if (g.ok) {
+      d.kernel = c.name;
+      return d;
+    }
+    d.rejected.push_back({c.name, g.reason});
+  }
+  std::string reasons;
+  for (const auto& r : d.rejected) reasons += "\n  " + r.kernel + ": " + r.reason;
+  for (const auto& k : force.kernels) {
+    bool listed = false;
+    for (const auto& c : candidates) listed = listed || c.name == k;
+    if (!listed) reasons += "\n  " + k + ": not a kernel of this backend on this device";
+  }
+  detail::fail("dot_attention", "no forced kernel can run this call (forced: ", force.describe(), "; ",
+               params.describe(), "):", reasons, "\nForce 'auto' or 'reference', or change the call.");
+}
+
+// The cached decision for (backend, params); `candidates()` gives the
+// candidates only on a miss, so a hit costs one lookup.
+template <class Candidates>
+Decision cached_decision(const std::string& backend, const AttentionParams& params, const Candidates& candidates) {
+  Cache& c = cache();
+  Key key{backend, params};
+  {
+    std::lock_guard lock(c.mu);
+    ++c.lookups;
+    if (auto it = c.decisions.find(key); it != c.decisions.end()) return it->second;
+  }
+  Decision d = decide(params, candidates());  // gates run outside the lock; may throw
+  std::lock_guard lock(c.mu);
+  auto [it, inserted] = c.decisions.emplace(std::move(key), d);
+  if (inserted) {
+    ++c.selections;
+    if (debug_enabled())
+      std::fprintf(stderr, "[dimattn] %s: %s\n  for %s\n", backend.c_str(), d.explain().c_str(),
+                   params.describe().c_str());
+  }
+  return it->second;
+}
+
+}  // namespace
+
+Decision select_kernel(const std::string& backend, const AttentionParams& params,
+                       const std::vector<KernelCandidate>& candidates) {
+  return cached_decision(backend, params, [&] { return candidates; });
+}
+
+Decision select_kernel(const std::string& backend, const AttentionParams& params, const KernelTable& table) {
+  return cached_decision(backend, params, [&] {
+    std::vector<KernelCandidate> on_device;
+    for (const KernelEntry& e : table)
+      if (e.device == params.device) on_device.push_back({e.name, e.gate});
+    return on_device;
+  });
+}
+
+SelectionStats selection_stats() {
+  Cache& c = cache();
+  std::lock_guard lock(c.mu);
+  return {c.lookups, c.selections, c.decisions.size(), c.copies.load()};
+}
+
+void count_layout_copy() { ++cache().copies; }
+
+void reset_selection_cache() {
+  Cache& c = cache();
+  std::lock_guard lock(c.mu);
+  c.decisions.clear();
+  c.lookups = c.selections = 0;
+  c.copies = 0;
+}
+
+AttentionParams attention_params(const AttentionCall& call, LayoutClass layout, bool requires_grad) {
+  AttentionParams p;
+  p.device = call.query.device().type;
+  p.dtype = call.query.dtype();
+  p.head_dim_qk = call.key_dim.extent();
+  int64_t dv = 1;
+  for (const Dim& d : call.value_feature) dv *= d.extent();
+  p.head_dim_v = dv;
+  p.causal = call.causal;
+  p.offset = call.causal_offset ? OffsetKind::nonzero : OffsetKind::none;
+  p.dropout = call.dropout > 0;
+  p.dropout_broadcast = p.dropout && call.dropout_broadcast;
+  p.padding = call.kv_spatial.is_dynamic();
+  int64_t g = 1;
+  for (const Dim& d : call.query_groups) g *= d.extent();
+  p.gqa_ratio = g;
+  p.keys_only = !call.keys_only.empty();
+  p.layout = layout;
+  p.requires_grad = requires_grad;
+  p.deterministic = deterministic_algorithms();
+  p.forced = current_kernel_force().describe();
+  return p;
+}
+
+}  // namespace dimattn

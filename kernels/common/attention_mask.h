@@ -1,0 +1,158 @@
+#pragma once
+// The one definition of which attention elements exist and which dropout
+// keeps: every fused kernel (CPU forward and backward, CUDA forward and
+// backward) and their gates take it from here, host and device alike.
+//
+// Masks. Per batch entry, query row i attends the half-open kv range
+// [lo(i), hi(i)):
+//   lo(i) = 0
+//   hi(i) = 0                                     if i >= q_len (padding row)
+//           min(kv_len, i + offset + 1)           if causal
+//           kv_len                                otherwise   (clamped to >= 0)
+// with q_len, kv_len the entry's lengths (AttentionKernelParams::q_lengths,
+// kv_lengths; the full extent when absent) and offset its causal offset.
+// Both bounds are nondecreasing in i over the rows i < q_len, which is what
+// the kernels' loops rely on (a block of rows attends [lo(first), hi(last))).
+// A sliding window would be a change of lo(i) (e.g. i + offset + 1 - window);
+// loop bounds come from lo/hi and rows_reaching(), not from their formulas.
+// Caveat: the CPU kernel's per-row tile masks are prefixes today (positions
+// below a row's lo inside a tile it attends are not masked); a window must
+// add that lower bound there (docs/numerics.md).
+//
+// How the reference path (frontend/src/attention_reference.cpp) maps onto it:
+// causal there allows kv j iff j <= i + offset, i.e. j < i + offset + 1 = the
+// causal hi; padding allows j iff j < length, i.e. j < kv_len; a row whose
+// range is empty (hi <= lo) gives output 0 and weights 0 (the reference
+// zeroes masked weights after the softmax; the kernels write 0 and lse = -inf).
+//
+// Dropout. Element (bh, q, k) (or k alone under broadcast dropout) draws the
+// uniform number of philox.h's generator under the keying below, is kept iff
+// uniform >= p, and a kept weight is scaled by 1 / (1 - p) (0 when p = 1);
+// the softmax normaliser is that of the weights before dropout.
+//   per element:  key = seed, counter = {k / 4, q, bh, offset}, lane k % 4
+//   broadcast:    key = seed ^ kBroadcastSalt, counter = {k / 4, 0, 0, offset}, lane k % 4
+// where bh is the flat index over the call's batch dims, then keys-only dims,
+// then query groups (row-major, each in the call's order), q the query
+// spatial position, k the kv position.
+#include <cmath>
+#include <cstdint>
+
+#include "common/philox.h"
+
+namespace dimattn::kernels {
+
+// ---------------------------------------------------------------------------
+// Masks.
+
+// A half-open index range (kv positions of a row, or rows of a position).
+struct Range {
+  int64_t lo, hi;  // [lo, hi); empty when hi <= lo
+  DIMATTN_HD bool empty() const { return hi <= lo; }
+  DIMATTN_HD bool contains(int64_t j) const { return lo <= j && j < hi; }
+};
+
+// The mask of one batch entry.
+struct EntryMask {
+  int64_t q_len, kv_len;
+  int64_t offset;  // causal offset, clamped to [-seqlen_q - 1, seqlen_k]
+  bool causal;
+
+  DIMATTN_HD int64_t lo(int64_t /*i*/) const { return 0; }
+  DIMATTN_HD int64_t hi(int64_t i) const {
+    if (i >= q_len) return 0;  // padding rows attend nothing
+    int64_t h = kv_len;
+    if (causal && i + offset + 1 < h) h = i + offset + 1;
+    return h > 0 ? h : 0;
+  }
+  DIMATTN_HD Range row(int64_t i) const { return {lo(i), hi(i)}; }
+  DIMATTN_HD bool allowed(int64_t i, int64_t j) const { return row(i).contains(j); }
+
+  // The rows [first, end) that attend kv position j, clamped to [0, q_len]
+  // (first == end when none). pre: 0 <= j < kv_len.
+  DIMATTN_HD Range rows_reaching(int64_t j) const {
+    int64_t first = causal ? j - offset : 0;  // hi(i) > j  <=>  i + offset + 1 > j
+    first = first < 0 ? 0 : first > q_len ? q_len : first;
+    return {first, q_len};
+  }
+};
+
+// The mask of batch entry b from a params struct's per-entry arrays (nullptr
+// = full length, offset 0). Clamping the offset keeps i + offset + 1 from
+// overflowing without changing any mask: offset >= seqlen_k allows every
+// position, offset <= -seqlen_q - 1 none.
+DIMATTN_HD EntryMask entry_mask(const int64_t* q_lengths, const int64_t* kv_lengths, const int64_t* causal_offset,
+                                bool causal, int64_t seqlen_q, int64_t seqlen_k, int64_t b) {
+  EntryMask m;
+  m.q_len = q_lengths ? q_lengths[b] : seqlen_q;
+  m.kv_len = kv_lengths ? kv_lengths[b] : seqlen_k;
+  m.causal = causal;
+  const int64_t off = causal_offset ? causal_offset[b] : 0;
+  m.offset = off < -seqlen_q - 1 ? -seqlen_q - 1 : off > seqlen_k ? seqlen_k : off;
+  return m;
+}
+
+// ---------------------------------------------------------------------------
+// Dropout: the keep rule and its keying.
+
+inline constexpr uint64_t kBroadcastSalt = 0xB40ADCA57D0F0F0Full;
+
+// The counters of one attention row: the random words of kv positions
+// 4 g .. 4 g + 3 are philox4x32_10({g, c1, c2, c3}, key), lane k % 4 being
+// position k's. Kernels that draw many positions at once start from this.
+struct DropoutStream {
+  uint64_t key;
+  uint32_t c1, c2, c3;
+  DIMATTN_HD Philox4 words(uint32_t k) const { return philox4x32_10(Philox4{{k >> 2, c1, c2, c3}}, key); }
+};
+
+// Row (bh, q) under per-element dropout.
+DIMATTN_HD DropoutStream dropout_stream(uint64_t seed, uint32_t offset, uint32_t bh, uint32_t q) {
+  return {seed, q, bh, offset};
+}
+
+// Every row under broadcast dropout (shared by every batch entry, head and
+// query position).
+DIMATTN_HD DropoutStream dropout_stream_broadcast(uint64_t seed, uint32_t offset) {
+  return {seed ^ kBroadcastSalt, 0, 0, offset};
+}
+
+// The random words of kv positions 4 * (k / 4) .. + 3 of attention row
+// (bh, q): lane k % 4 is position k's. One call serves four positions.
+DIMATTN_HD Philox4 dropout_words(uint64_t seed, uint32_t offset, uint32_t bh, uint32_t q, uint32_t k) {
+  return dropout_stream(seed, offset, bh, q).words(k);
+}
+
+// The same under broadcast dropout.
+DIMATTN_HD Philox4 dropout_words_broadcast(uint64_t seed, uint32_t offset, uint32_t k) {
+  return dropout_stream_broadcast(seed, offset).words(k);
+}
+
+// Uniform number of attention element (bh, q, k).
+DIMATTN_HD float dropout_uniform(uint64_t seed, uint32_t offset, uint32_t bh, uint32_t q, uint32_t k) {
+  return uniform_from_bits(dropout_words(seed, offset, bh, q, k).v[k & 3]);
+}
+
+// Uniform number of kv position k under broadcast dropout.
+DIMATTN_HD float dropout_uniform_broadcast(uint64_t seed, uint32_t offset, uint32_t k) {
+  return uniform_from_bits(dropout_words_broadcast(seed, offset, k).v[k & 3]);
+}
+
+// The keep rule as kernels apply it to raw Philox words: the uniform is
+// (bits >> 8) / 2^24, so "uniform >= p" is exactly "(bits >> 8) >=
+// ceil(p * 2^24)" (p * 2^24 is exact in double).
+struct DropoutRule {
+  uint32_t threshold = 0;   // keep iff (bits >> 8) >= threshold
+  double keep_scale = 1.0;  // what a kept weight is multiplied by
+
+  DIMATTN_HD bool keeps(uint32_t bits) const { return (bits >> 8) >= threshold; }
+};
+
+// pre: 0 <= p <= 1.
+inline DropoutRule dropout_rule(double p) {
+  DropoutRule r;
+  r.threshold = p >= 1 ? (1u << 24) : static_cast<uint32_t>(std::ceil(p * 16777216.0));
+  r.keep_scale = p >= 1 ? 0.0 : 1.0 / (1.0 - p);
+  return r;
+}
+
+}  // namespace dimattn::kernels

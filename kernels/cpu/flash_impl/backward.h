@@ -1,0 +1,299 @@
+// Backward pass: per (batch, kv head, kv chunk), dQ shares summed in chunk order.
+// A part of cpu/flash_attention_impl.h, which says what includes it and how.
+#ifndef DIMATTN_CPU_FLASH_PARTS
+#error "included by cpu/flash_attention_impl.h only"
+#endif
+
+// ---------------------------------------------------------------------------
+// Backward.
+
+struct BackwardPlan {
+  int64_t bq, bk;
+  int64_t chunks;     // kv chunks per (b, kv head)
+  int64_t chunk_len;  // kv positions per chunk (a multiple of bk)
+};
+
+template <class A>
+BackwardPlan plan_backward(const AttentionKernelParams& p) {
+  BackwardPlan plan;
+  plan.bq = cpu_flash::bwd_block_q(p.head_dim);
+  plan.bk = cpu_flash::bwd_block_k(p.head_dim);
+  const int64_t tiles = std::max<int64_t>(1, (p.seqlen_k + plan.bk - 1) / plan.bk);
+  const int64_t groups = std::max<int64_t>(1, p.batch * p.kv_heads);
+  int64_t chunks = (cpu_flash::bwd_min_tasks() + groups - 1) / groups;
+  chunks = std::min(chunks, std::max<int64_t>(1, tiles / cpu_flash::bwd_min_tiles_per_chunk()));
+  const int64_t share_bytes = p.batch * p.heads * p.seqlen_q *
+                              round_up(std::max<int64_t>(p.head_dim, 1), Simd<A>::W) *
+                              static_cast<int64_t>(sizeof(A));
+  if (share_bytes > 0)
+    chunks = std::min(chunks, std::max<int64_t>(1, cpu_flash::bwd_max_partial_bytes() / share_bytes));
+  const int64_t tiles_per_chunk = (tiles + chunks - 1) / chunks;
+  plan.chunks = (tiles + tiles_per_chunk - 1) / tiles_per_chunk;
+  plan.chunk_len = tiles_per_chunk * plan.bk;
+  return plan;
+}
+
+template <class S, class A>
+struct BackwardScratch {
+  int64_t dp, dvp, ldk;
+  A *qf, *dof, *lse2, *di, *dq, *dkacc, *dvacc, *kt, *kr, *vt, *s, *dpt, *x, *z;
+  Arena<A> arena;
+  std::vector<int64_t> nv, kbeg;  // causal tile bounds, see backward_task
+  BackwardScratch(const AttentionKernelParams& p, const BackwardPlan& plan)
+      : dp(round_up(std::max<int64_t>(p.head_dim, 1), Simd<A>::W)),
+        dvp(round_up(std::max<int64_t>(p.head_dim_v, 1), Simd<A>::W)),
+        ldk(round_up(plan.bk, Simd<A>::W)),
+        arena(Arena<A>::need({p.seqlen_q * dp, p.seqlen_q * dvp, p.seqlen_q, p.seqlen_q,
+                              plan.chunks == 1 ? p.seqlen_q * dp : 0, plan.chunk_len * dp, plan.chunk_len * dvp,
+                              p.head_dim * ldk, plan.bk * round_up(dp, 2 * Simd<A>::W), p.head_dim_v * ldk,
+                              plan.bq * ldk, plan.bq * ldk, plan.bq * ldk, plan.bq * ldk})) {
+    qf = arena.take(p.seqlen_q * dp);
+    dof = arena.take(p.seqlen_q * dvp);
+    lse2 = arena.take(p.seqlen_q);
+    di = arena.take(p.seqlen_q);
+    dq = arena.take(plan.chunks == 1 ? p.seqlen_q * dp : 0);
+    dkacc = arena.take(plan.chunk_len * dp);
+    dvacc = arena.take(plan.chunk_len * dvp);
+    kt = arena.take(p.head_dim * ldk);
+    kr = arena.take(plan.bk * round_up(dp, 2 * Simd<A>::W));
+    vt = arena.take(p.head_dim_v * ldk);
+    s = arena.take(plan.bq * ldk);
+    dpt = arena.take(plan.bq * ldk);
+    x = arena.take(plan.bq * ldk);
+    z = arena.take(plan.bq * ldk);
+    nv.resize(static_cast<size_t>(plan.bq));
+    kbeg.resize(static_cast<size_t>(plan.bk));
+  }
+};
+
+// One (b, kv head, kv chunk). share: this chunk's dQ share ([G][Tq][dp],
+// unscaled), or nullptr when the chunk is the whole kv range and dq is
+// written directly.
+template <class S, class A>
+void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, const BackwardPlan& plan, int64_t b,
+                   int64_t hk, int64_t chunk, A* share, BackwardScratch<S, A>& w) {
+  constexpr int W = Simd<A>::W;
+  constexpr A kInf = std::numeric_limits<A>::infinity();
+  const int64_t D = p.head_dim, Dv = p.head_dim_v, Tq = p.seqlen_q, G = p.group_size();
+  const int64_t dp = w.dp, dvp = w.dvp, ldk = w.ldk;
+  const EntryMask mask = entry_mask_of(p, b);
+  const int64_t kc0 = chunk * plan.chunk_len, kc1 = std::min(kc0 + plan.chunk_len, p.seqlen_k);
+  const int64_t kend = std::min(kc1, mask.kv_len);  // valid positions [kc0, kend)
+  // Rows that attend some position of the chunk: [i_start, i_end).
+  const Range rows_in =
+      kend > kc0 ? Range{mask.rows_reaching(kc0).lo, mask.rows_reaching(kend - 1).hi} : Range{0, 0};
+  const int64_t i_start = rows_in.lo, i_end = rows_in.hi;
+  const bool any = !rows_in.empty();
+  const A qk_mul = static_cast<A>(p.scale * 1.4426950408889634);
+  const A log2e = static_cast<A>(1.4426950408889634);
+  const A scale = static_cast<A>(p.scale);
+
+  const S* k = static_cast<const S*>(p.k) + b * p.k_strides.batch + hk * p.k_strides.head;
+  const S* v = static_cast<const S*>(p.v) + b * p.v_strides.batch + hk * p.v_strides.head;
+  const int64_t krs = p.k_strides.row, vrs = p.v_strides.row;
+  if (kend > kc0) {
+    fill(w.dkacc, (kend - kc0) * dp, A(0));
+    fill(w.dvacc, (kend - kc0) * dvp, A(0));
+  }
+
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t h = hk * G + g;
+    const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
+    A* dq = share ? share + g * Tq * dp : w.dq;  // indexed by absolute row
+    if (share) fill(share + g * Tq * dp, Tq * dp, A(0));
+
+    if (any) {
+      const S* q = static_cast<const S*>(p.q) + b * p.q_strides.batch + h * p.q_strides.head;
+      const S* o = static_cast<const S*>(p.out) + b * p.out_strides.batch + h * p.out_strides.head;
+      const S* dout = static_cast<const S*>(p.dout) + b * p.dout_strides.batch + h * p.dout_strides.head;
+      const A* lse = static_cast<const A*>(p.lse) + b * p.lse_batch_stride + h * p.lse_head_stride;
+      const int64_t rows = i_end - i_start;
+      // Row-local copies, indexed by i - i_start.
+      pack_rows(q + i_start * p.q_strides.row, p.q_strides.row, rows, D, w.qf, dp, A(1));
+      pack_rows(dout + i_start * p.dout_strides.row, p.dout_strides.row, rows, Dv, w.dof, dvp, A(1));
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = i_start + r;
+        w.lse2[r] = lse[i] * log2e;
+        // D_i = rowsum(dO o O) = sum_j P_ij dP_ij (dropout included: O holds it).
+        const S* orow = o + i * p.out_strides.row;
+        const A* dorow = w.dof + r * dvp;
+        A acc = 0;
+        for (int64_t c = 0; c < Dv; ++c) acc += dorow[c] * to_acc(orow[c]);
+        w.di[r] = acc;
+      }
+      if (!share) fill(dq + i_start * dp, rows * dp, A(0));
+
+      for (int64_t j0 = kc0; j0 < kend; j0 += plan.bk) {
+        const int64_t n = std::min(plan.bk, kend - j0), np = round_up(n, W);
+        pack_transposed(k + j0 * krs, krs, n, np, D, w.kt);
+        pack_rows_panels(k + j0 * krs, krs, n, D, plan.bk, w.kr);
+        pack_transposed(v + j0 * vrs, vrs, n, np, Dv, w.vt);
+        A* dk_t = w.dkacc + (j0 - kc0) * dp;
+        A* dv_t = w.dvacc + (j0 - kc0) * dvp;
+        if (drop.on && drop.broadcast) {
+          drop.broadcast_factors(j0, n, drop.keep_scale, w.z);
+          fill(w.z + n, np - n, A(0));
+        }
+        const int64_t it0 = std::max(i_start, mask.rows_reaching(j0).lo);
+        for (int64_t i0 = it0; i0 < i_end; i0 += plan.bq) {
+          const int64_t mm = std::min(plan.bq, i_end - i0);
+          const A* qi = w.qf + (i0 - i_start) * dp;
+          const A* doi = w.dof + (i0 - i_start) * dvp;
+          const A* lse2 = w.lse2 + (i0 - i_start);
+          const A* di = w.di + (i0 - i_start);
+          // Causal diagonal tiles: row r attends the tile's first nv[r]
+          // positions, kv position c is attended from local row kbeg[c] on.
+          const bool partial = mask.hi(i0) < j0 + n;
+          const int64_t *nvs = nullptr, *kbeg = nullptr;
+          if (partial) {
+            for (int64_t r = 0; r < mm; ++r) w.nv[r] = std::clamp<int64_t>(mask.hi(i0 + r) - j0, 0, n);
+            for (int64_t c = 0; c < n; ++c) w.kbeg[c] = std::clamp<int64_t>(mask.rows_reaching(j0 + c).lo - i0, 0, mm);
+            nvs = w.nv.data();
+            kbeg = w.kbeg.data();
+          }
+
+          // P = exp(scale * Q K^T - lse), recomputed; 0 past each row's prefix.
+          gemm_set(mm, np, D, qi, dp, panel_major(w.kt, D), w.s, ldk, Ragged{nvs, nullptr, nullptr});
+          // The next q block's rows of Q, dO and dQ come from L3 for long
+          // sequences: ask for them while this block computes.
+          const int64_t next_rows = std::min(plan.bq, i_end - (i0 + plan.bq));
+          for (int64_t r = 0; r < mm; ++r) {
+            if (next_rows > 0) {
+              const int64_t nb = i0 + plan.bq - i_start;
+              prefetch_part(w.qf + nb * dp, next_rows * dp * static_cast<int64_t>(sizeof(A)), r, mm);
+              prefetch_part(w.dof + nb * dvp, next_rows * dvp * static_cast<int64_t>(sizeof(A)), r, mm);
+              prefetch_part(dq + (i0 + plan.bq) * dp, next_rows * dp * static_cast<int64_t>(sizeof(A)), r, mm);
+            }
+            A* srow = w.s + r * ldk;
+            const int64_t nv = partial ? nvs[r] : n;
+            if (nv == 0 || lse2[r] == -kInf) {
+              fill(srow, np, A(0));
+              continue;
+            }
+            exp2_row(srow, round_up(nv, W), qk_mul, lse2[r]);
+            fill(srow + nv, np - nv, A(0));
+          }
+          // dPd = dO V^T (the gradient of the dropped-out weights); defined
+          // up to each row's prefix rounded to whole vectors.
+          gemm_set(mm, np, Dv, doi, dvp, panel_major(w.vt, Dv), w.dpt, ldk, Ragged{nvs, nullptr, nullptr});
+          // X = P o Z with Z = keep / (1 - p): the weights that produced O;
+          // dP = dPd o Z; dS = P o (dP - D_i) in place of dP. Zero past the
+          // prefix, where the transposed products below still read.
+          const A* x = w.s;
+          for (int64_t r = 0; r < mm; ++r) {
+            using V = typename Simd<A>::V;
+            const int64_t nv = partial ? nvs[r] : n, npr = round_up(nv, W);
+            const A* prow = w.s + r * ldk;
+            A* drow = w.dpt + r * ldk;
+            if (drop.on) {
+              A* z = drop.broadcast ? w.z : w.z + r * ldk;
+              if (!drop.broadcast) {
+                drop.row_factors(bh, static_cast<uint32_t>(i0 + r), j0, nv, drop.keep_scale, z);
+                fill(z + nv, npr - nv, A(0));
+              }
+              A* xr = w.x + r * ldk;
+              for (int64_t c = 0; c < npr; c += W) {
+                const V zc = vload<V>(z + c);
+                vstore(xr + c, vload<V>(prow + c) * zc);
+                vstore(drow + c, vload<V>(drow + c) * zc);
+              }
+              fill(xr + npr, np - npr, A(0));
+            }
+            const V dvec = Simd<A>::splat(di[r]);
+            for (int64_t c = 0; c < npr; c += W) vstore(drow + c, vload<V>(prow + c) * (vload<V>(drow + c) - dvec));
+            fill(drow + npr, np - npr, A(0));
+          }
+          if (drop.on) x = w.x;
+          // dV += X^T dO, dK += dS^T Q and dQ += dS K (dK, dQ scaled at the end).
+          gemm_add_at(n, dvp, mm, x, ldk, row_major(doi, dvp), dv_t, dvp, Ragged{nullptr, kbeg, nullptr});
+          gemm_add_at(n, dp, mm, w.dpt, ldk, row_major(qi, dp), dk_t, dp, Ragged{nullptr, kbeg, nullptr});
+          gemm_add(mm, dp, n, w.dpt, ldk, panel_major(w.kr, plan.bk), dq + i0 * dp, dp, Ragged{nullptr, nullptr, nvs});
+        }
+      }
+    }
+
+    if (!share) {
+      S* dqo = static_cast<S*>(p.dq) + b * p.dq_strides.batch + h * p.dq_strides.head;
+      for (int64_t i = 0; i < Tq; ++i) {
+        S* row = dqo + i * p.dq_strides.row;
+        if (any && i >= i_start && i < i_end) {
+          const A* src = dq + i * dp;
+          for (int64_t c = 0; c < D; ++c) from_acc(src[c] * scale, row + c);
+        } else {
+          for (int64_t c = 0; c < D; ++c) from_acc(A(0), row + c);
+        }
+      }
+    }
+  }
+
+  S* dko = static_cast<S*>(p.dk) + b * p.dk_strides.batch + hk * p.dk_strides.head;
+  S* dvo = static_cast<S*>(p.dv) + b * p.dv_strides.batch + hk * p.dv_strides.head;
+  for (int64_t j = kc0; j < kc1; ++j) {
+    S* dkr = dko + j * p.dk_strides.row;
+    S* dvr = dvo + j * p.dv_strides.row;
+    if (j < kend) {
+      const A* sk = w.dkacc + (j - kc0) * dp;
+      const A* sv = w.dvacc + (j - kc0) * dvp;
+      for (int64_t c = 0; c < D; ++c) from_acc(sk[c] * scale, dkr + c);
+      for (int64_t c = 0; c < Dv; ++c) from_acc(sv[c], dvr + c);
+    } else {
+      for (int64_t c = 0; c < D; ++c) from_acc(A(0), dkr + c);
+      for (int64_t c = 0; c < Dv; ++c) from_acc(A(0), dvr + c);
+    }
+  }
+}
+
+template <class S, class A>
+void backward(const AttentionKernelParams& p, const ParallelFor& parallel_for) {
+  const BackwardPlan plan = plan_backward<A>(p);
+  const DropoutSpec<A> drop(p);
+  const int64_t G = p.group_size(), Tq = p.seqlen_q, D = p.head_dim;
+  const int64_t dp = round_up(std::max<int64_t>(D, 1), Simd<A>::W);
+  const int64_t groups = p.batch * p.kv_heads;
+  if (groups == 0) return;
+  if (p.seqlen_k == 0) {
+    // No kv positions: dq is all zeros, dk and dv are empty.
+    parallel_for(0, p.batch * p.heads, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        S* dq = static_cast<S*>(p.dq) + (t / p.heads) * p.dq_strides.batch + (t % p.heads) * p.dq_strides.head;
+        for (int64_t i = 0; i < Tq; ++i)
+          for (int64_t c = 0; c < D; ++c) from_acc(A(0), dq + i * p.dq_strides.row + c);
+      }
+    });
+    return;
+  }
+  const int64_t C = plan.chunks;
+  // dQ shares: [groups][C][G][Tq][dp], summed in chunk order by the second pass.
+  std::unique_ptr<A[]> shares;
+  const int64_t share_len = G * Tq * dp;
+  if (C > 1) shares.reset(new A[static_cast<size_t>(groups * C * share_len)]);
+
+  parallel_for(0, groups * C, [&](int64_t t0, int64_t t1) {
+    BackwardScratch<S, A> w(p, plan);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t grp = t / C, ci = t % C;
+      // Under causal masking early kv chunks have more query rows: alternate.
+      const int64_t chunk = p.causal ? (ci % 2 == 0 ? ci / 2 : C - 1 - ci / 2) : ci;
+      A* share = C > 1 ? shares.get() + (grp * C + chunk) * share_len : nullptr;
+      backward_task<S, A>(p, drop, plan, grp / p.kv_heads, grp % p.kv_heads, chunk, share, w);
+    }
+  });
+  if (C == 1) return;
+
+  const A scale = static_cast<A>(p.scale);
+  parallel_for(0, p.batch * p.heads, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / p.heads, h = t % p.heads, hk = h / G, g = h % G;
+      const A* base = shares.get() + (b * p.kv_heads + hk) * C * share_len + g * Tq * dp;
+      S* dq = static_cast<S*>(p.dq) + b * p.dq_strides.batch + h * p.dq_strides.head;
+      for (int64_t i = 0; i < Tq; ++i) {
+        S* row = dq + i * p.dq_strides.row;
+        for (int64_t c = 0; c < D; ++c) {
+          A acc = 0;
+          for (int64_t ch = 0; ch < C; ++ch) acc += base[ch * share_len + i * dp + c];
+          from_acc(acc * scale, row + c);
+        }
+      }
+    }
+  });
+}

@@ -1,0 +1,215 @@
+// Forward pass: tiled online softmax per query block.
+// A part of cpu/flash_attention_impl.h, which says what includes it and how.
+#ifndef DIMATTN_CPU_FLASH_PARTS
+#error "included by cpu/flash_attention_impl.h only"
+#endif
+
+// ---------------------------------------------------------------------------
+// Forward.
+
+template <class S, class A>
+struct ForwardScratch {
+  int64_t bq, bk, ldk, dvp, D;
+  int64_t vslot;  // elements per packed v tile: panels of 2W columns
+  // Packed kv tiles (k transposed, v rows, as float/double). A task range
+  // usually holds several query blocks of one kv head (and the GQA heads
+  // sharing it), so the slots keep every tile of the current (b, kv head)
+  // when that fits the budget, and each tile is packed once per range
+  // instead of once per query block. Otherwise one slot is repacked.
+  int64_t slots;
+  int64_t key_b = -1, key_hk = -1;  // whose tiles the slots hold
+  int64_t packed = 0;               // many slots: tiles [0, packed) are ready
+  int64_t single = -1;              // one slot: the tile it holds
+  A *qs, *kt, *vs, *s, *o, *m, *l, *z;
+  Arena<A> arena;
+  std::vector<int64_t> nv;  // per row: valid positions of the current tile
+
+  static int64_t slots_for(const AttentionKernelParams& p, int64_t bq, int64_t bk, int64_t ldk, int64_t dvp) {
+    // A kv head's tiles are read again only by its next query block or by
+    // another query head of its group; without either, one slot that stays
+    // in L1/L2 beats a buffer that spills to L3.
+    if (p.seqlen_q <= bq && p.group_size() == 1) return 1;
+    const int64_t tiles = std::max<int64_t>(1, (p.seqlen_k + bk - 1) / bk);
+    const int64_t bytes =
+        tiles * (p.head_dim * ldk + bk * round_up(dvp, 2 * Simd<A>::W)) * static_cast<int64_t>(sizeof(A));
+    return bytes <= cpu_flash::fwd_kv_cache_bytes() ? tiles : 1;
+  }
+  ForwardScratch(const AttentionKernelParams& p, int64_t bq_, int64_t bk_)
+      : bq(bq_),
+        bk(bk_),
+        ldk(round_up(bk_, Simd<A>::W)),
+        dvp(round_up(std::max<int64_t>(p.head_dim_v, 1), Simd<A>::W)),
+        D(p.head_dim),
+        vslot(bk * round_up(dvp, 2 * Simd<A>::W)),
+        slots(slots_for(p, bq, bk, ldk, dvp)),
+        arena(Arena<A>::need({bq * p.head_dim, slots * p.head_dim * ldk, slots * vslot, bq * ldk, bq * dvp, bq, bq,
+                              ldk})) {
+    qs = arena.take(bq * p.head_dim);
+    kt = arena.take(slots * p.head_dim * ldk);
+    vs = arena.take(slots * vslot);
+    s = arena.take(bq * ldk);
+    o = arena.take(bq * dvp);
+    m = arena.take(bq);
+    l = arena.take(bq);
+    z = arena.take(ldk);
+    nv.resize(static_cast<size_t>(bq));
+  }
+
+  // Makes kv tile t of (b, hk) available and returns its slot. A tile holds
+  // positions [t * bk, min((t + 1) * bk, kv_len)), zero-padded to whole
+  // vectors, whatever prefix of it the asking block uses.
+  int64_t tile(const S* k, int64_t krs, const S* v, int64_t vrs, int64_t Dv, int64_t kv_len, int64_t b, int64_t hk,
+               int64_t t) {
+    if (key_b != b || key_hk != hk) {
+      key_b = b, key_hk = hk, packed = 0, single = -1;
+    }
+    auto pack = [&](int64_t tt, int64_t slot) {
+      const int64_t j0 = tt * bk, n = std::min(bk, kv_len - j0);
+      pack_transposed(k + j0 * krs, krs, n, round_up(n, Simd<A>::W), D, kt + slot * D * ldk);
+      pack_rows_panels(v + j0 * vrs, vrs, n, Dv, bk, vs + slot * vslot);
+    };
+    if (slots > 1) {
+      for (; packed <= t; ++packed) pack(packed, packed);
+      return t;
+    }
+    if (single != t) pack(t, 0), single = t;
+    return 0;
+  }
+  // Tile t of the current kv head if it is packed already, else -1.
+  int64_t ready(int64_t t) const { return slots > 1 && t < packed ? t : -1; }
+};
+
+// Rows [r0, r1) of (b, h).
+template <class S, class A>
+void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, int64_t b, int64_t h, int64_t r0,
+                   int64_t r1, ForwardScratch<S, A>& w) {
+  constexpr int W = Simd<A>::W;
+  constexpr A kInf = std::numeric_limits<A>::infinity();
+  const int64_t D = p.head_dim, Dv = p.head_dim_v, dvp = w.dvp, ldk = w.ldk;
+  const EntryMask mask = entry_mask_of(p, b);
+  const int64_t hk = h / p.group_size();
+  const S* q = static_cast<const S*>(p.q) + b * p.q_strides.batch + h * p.q_strides.head;
+  const S* k = static_cast<const S*>(p.k) + b * p.k_strides.batch + hk * p.k_strides.head;
+  const S* v = static_cast<const S*>(p.v) + b * p.v_strides.batch + hk * p.v_strides.head;
+  S* out = static_cast<S*>(p.out) + b * p.out_strides.batch + h * p.out_strides.head;
+  A* lse = p.lse ? static_cast<A*>(p.lse) + b * p.lse_batch_stride + h * p.lse_head_stride : nullptr;
+  const int64_t qrs = p.q_strides.row, krs = p.k_strides.row, vrs = p.v_strides.row, ors = p.out_strides.row;
+
+  auto write_empty_row = [&](int64_t i) {
+    for (int64_t c = 0; c < Dv; ++c) from_acc(A(0), out + i * ors + c);
+    if (lse) lse[i] = -kInf;
+  };
+  const int64_t rv = std::min(r1, mask.q_len);  // valid rows [r0, rv)
+  for (int64_t i = std::max(r0, rv); i < r1; ++i) write_empty_row(i);
+  if (r0 >= rv) return;
+  const int64_t m = rv - r0;
+  // The block attends [lo(r0), hi(rv - 1)): both bounds grow with the row.
+  const int64_t kv_end = mask.hi(rv - 1);
+
+  // Scores in log2 units: exp(scale * q.k) = 2^(q' . k) with q' = q * scale * log2(e).
+  const A qmul = static_cast<A>(p.scale * 1.4426950408889634);
+  pack_rows(q + r0 * qrs, qrs, m, D, w.qs, D, qmul);
+  fill(w.m, m, -kInf);
+  fill(w.l, m, A(0));
+  fill(w.o, m * dvp, A(0));
+  const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
+
+  // Few rows of float32 (decoding): read k and v rows in place, no packing.
+  // v's rows are the product's B operand as they are, so their padded width
+  // must stay inside each row: Dv a multiple of the vector width.
+  const bool direct = std::is_same_v<S, A> && m <= 4 && Dv % W == 0;
+
+  for (int64_t j0 = mask.lo(r0) / w.bk * w.bk; j0 < kv_end; j0 += w.bk) {
+    const int64_t n = std::min(w.bk, kv_end - j0), np = round_up(n, W);
+    // Rows attend a prefix of the tile; only tiles crossing a row's limit
+    // (causal diagonal) mask, and there the products skip the blocks past
+    // every row's prefix.
+    const bool partial = mask.hi(r0) < j0 + n;
+    const int64_t* nvs = nullptr;
+    if (partial) {
+      for (int64_t r = 0; r < m; ++r) w.nv[r] = std::clamp<int64_t>(mask.hi(r0 + r) - j0, 0, n);
+      nvs = w.nv.data();
+    }
+    BMat<A> vmat;
+    if constexpr (std::is_same_v<S, A>) {
+      if (direct) {
+        scores_direct_rows(m, n, D, w.qs, k + j0 * krs, krs, w.s, ldk);
+        vmat = row_major(v + j0 * vrs, vrs);
+      }
+    }
+    if (!direct) {
+      const int64_t slot = w.tile(k, krs, v, vrs, Dv, mask.kv_len, b, hk, j0 / w.bk);
+      gemm_set(m, np, D, w.qs, D, panel_major(w.kt + slot * D * ldk, D), w.s, ldk, Ragged{nvs, nullptr, nullptr});
+      vmat = panel_major(w.vs + slot * w.vslot, w.bk);
+    }
+
+    const bool row_dropout = drop.on && !drop.broadcast;
+    if (drop.on && drop.broadcast) {
+      drop.broadcast_factors(j0, n, A(1), w.z);
+      fill(w.z + n, np - n, A(0));
+    }
+    const int64_t next = !direct && j0 + w.bk < kv_end ? w.ready(j0 / w.bk + 1) : -1;
+    for (int64_t r = 0; r < m; ++r) {
+      if (next >= 0) {
+        prefetch_part(w.kt + next * D * ldk, D * ldk * static_cast<int64_t>(sizeof(A)), r, m);
+        prefetch_part(w.vs + next * w.vslot, w.vslot * static_cast<int64_t>(sizeof(A)), r, m);
+      }
+      A* srow = w.s + r * ldk;
+      const int64_t nv = partial ? nvs[r] : n;
+      if (nv == 0) {  // nothing to attend here: zero weights, state unchanged
+        fill(srow, np, A(0));
+        continue;
+      }
+      const int64_t npr = round_up(nv, W);
+      fill(srow + nv, npr - nv, -kInf);
+      const A mnew = std::max(w.m[r], row_max(srow, npr));
+      const A alpha = std::exp2(w.m[r] - mnew);  // 0 on the row's first tile
+      const A sum = exp2_row(srow, npr, A(1), mnew);
+      fill(srow + npr, np - npr, A(0));  // read by P V up to the row block's longest prefix
+      w.l[r] = w.l[r] * alpha + sum;
+      if (alpha != A(1)) scale_row(w.o + r * dvp, dvp, alpha);
+      w.m[r] = mnew;
+      // Dropout after the normaliser's sum: kept weights only reach O.
+      if (row_dropout) {
+        drop.row_factors(bh, static_cast<uint32_t>(r0 + r), j0, nv, A(1), w.z);
+        fill(w.z + nv, npr - nv, A(0));
+        mul_rows(srow, w.z, npr);
+      } else if (drop.on) {
+        mul_rows(srow, w.z, npr);
+      }
+    }
+    gemm_add(m, dvp, n, w.s, ldk, vmat, w.o, dvp, Ragged{nullptr, nullptr, nvs});
+  }
+
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t i = r0 + r;
+    if (w.l[r] == A(0)) {  // attended nothing (a NaN sum falls through: NaN in, NaN out)
+      write_empty_row(i);
+      continue;
+    }
+    const A inv = drop.keep_scale / w.l[r];
+    const A* o = w.o + r * dvp;
+    for (int64_t c = 0; c < Dv; ++c) from_acc(o[c] * inv, out + i * ors + c);
+    if (lse) lse[i] = (w.m[r] + std::log2(w.l[r])) * static_cast<A>(0.6931471805599453);
+  }
+}
+
+template <class S, class A>
+void forward(const AttentionKernelParams& p, const ParallelFor& parallel_for) {
+  const int64_t bq = cpu_flash::fwd_block_q(p.head_dim), bk = cpu_flash::fwd_block_k(p.head_dim);
+  const int64_t nqb = (p.seqlen_q + bq - 1) / bq;
+  const int64_t tasks = p.batch * p.heads * nqb;
+  if (tasks == 0) return;
+  const DropoutSpec<A> drop(p);
+  parallel_for(0, tasks, [&](int64_t t0, int64_t t1) {
+    ForwardScratch<S, A> w(p, bq, bk);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t bh = t / nqb, qi = t % nqb;
+      // Causal blocks cost more the later they are: alternate cheap and
+      // expensive ones so that any contiguous split of the tasks is balanced.
+      const int64_t blk = p.causal ? (qi % 2 == 0 ? qi / 2 : nqb - 1 - qi / 2) : qi;
+      const int64_t r0 = blk * bq;
+      forward_block<S, A>(p, drop, bh / p.heads, bh % p.heads, r0, std::min(r0 + bq, p.seqlen_q), w);
+    }
+  });
+}

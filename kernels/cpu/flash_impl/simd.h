@@ -1,0 +1,147 @@
+// SIMD layer and row helpers: vector types of W lanes, exp2, row max/sum/scale.
+// A part of cpu/flash_attention_impl.h, which says what includes it and how.
+#ifndef DIMATTN_CPU_FLASH_PARTS
+#error "included by cpu/flash_attention_impl.h only"
+#endif
+
+// ---------------------------------------------------------------------------
+// SIMD layer: W lanes of T in one vector.
+
+// splat: x - 0 is x for every x (-0 and NaN included), so this is exactly a
+// broadcast, and compilers emit it as one instruction at any width.
+template <class T>
+struct Simd;
+template <>
+struct Simd<float> {
+  using V = vf;
+  static constexpr int W = sizeof(vf) / sizeof(float);
+  static DIMATTN_INLINE V splat(float x) { return x - V{}; }
+};
+template <>
+struct Simd<double> {
+  using V = vd;
+  static constexpr int W = sizeof(vd) / sizeof(double);
+  static DIMATTN_INLINE V splat(double x) { return x - V{}; }
+};
+static_assert(sizeof(vi) == sizeof(vf) && sizeof(vd) == sizeof(vf), "one vector width per instruction set");
+
+template <class V, class T>
+DIMATTN_INLINE V vload(const T* p) {
+  V r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+template <class V, class T>
+DIMATTN_INLINE void vstore(T* p, const V& v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// 2^x for float lanes: 2^round(x) from the exponent bits times a degree-7
+// Taylor polynomial of 2^f on |f| <= 1/2 (relative error < 1e-8 before
+// rounding, about 1 ulp after). x <= -127 (including -inf, the masked scores)
+// gives exactly 0, so masked positions carry no weight.
+DIMATTN_INLINE vf vexp2(vf x) {
+  using S = Simd<float>;
+  // Bound first, x second: max/min return their second operand when either
+  // is NaN, so a NaN score stays NaN (and poisons its row) rather than
+  // becoming a silent 0.
+  x = vmin(S::splat(127.0f), vmax(S::splat(-127.0f), x));
+  // Adding 1.5 * 2^23 rounds x to an integer n held in the low mantissa bits
+  // of t (exact for |x| < 2^22), so f = x - n is in [-1/2, 1/2] and the bits
+  // of 2^n are (bits(t) + 127) << 23 (the constant's own bits shift out).
+  const vf magic = S::splat(12582912.0f);
+  const vf t = x + magic;
+  const vf f = x - (t - magic);
+  vf p = S::splat(1.525273380405984e-05f);
+  p = vfma(p, f, S::splat(1.540353039338161e-04f));
+  p = vfma(p, f, S::splat(1.333355814642844e-03f));
+  p = vfma(p, f, S::splat(9.618129107628477e-03f));
+  p = vfma(p, f, S::splat(5.550410866482158e-02f));
+  p = vfma(p, f, S::splat(2.402265069591007e-01f));
+  p = vfma(p, f, S::splat(6.931471805599453e-01f));
+  p = vfma(p, f, S::splat(1.0f));
+  vi e;
+  std::memcpy(&e, &t, sizeof e);
+  e = (e + 127) << 23;  // n = -127 gives the bit pattern of +0
+  vf pow2n;
+  std::memcpy(&pow2n, &e, sizeof e);
+  return p * pow2n;
+}
+
+// float64 is the test dtype: exact library exp2 per lane.
+DIMATTN_INLINE vd vexp2(vd x) {
+  vd r;
+  for (int l = 0; l < Simd<double>::W; ++l) r[l] = std::exp2(x[l]);
+  return r;
+}
+
+#if defined(__clang__)
+#define DIMATTN_UNROLL _Pragma("unroll")
+#else
+#define DIMATTN_UNROLL _Pragma("GCC unroll 16")
+#endif
+
+// ---------------------------------------------------------------------------
+// Row helpers over n = whole vectors.
+
+template <class T>
+T row_max(const T* s, int64_t n) {
+  using S = Simd<T>;
+  using V = typename S::V;
+  V m = S::splat(-std::numeric_limits<T>::infinity());
+  for (int64_t j = 0; j < n; j += S::W) {
+    const V x = vload<V>(s + j);
+    m = vmax(x, m);
+  }
+  T r = m[0];
+  for (int l = 1; l < S::W; ++l) r = std::max(r, static_cast<T>(m[l]));
+  return r;
+}
+
+// s[j] = 2^(s[j] * mul - sub); returns the sum (fixed order: lanes, then
+// vectors left to right).
+template <class T>
+T exp2_row(T* s, int64_t n, T mul, T sub) {
+  using S = Simd<T>;
+  using V = typename S::V;
+  const V vm = S::splat(mul), vs = S::splat(-sub);
+  V acc = V{};
+  for (int64_t j = 0; j < n; j += S::W) {
+    const V e = vexp2(vfma(vload<V>(s + j), vm, vs));
+    vstore(s + j, e);
+    acc += e;
+  }
+  T r = acc[0];
+  for (int l = 1; l < S::W; ++l) r += acc[l];
+  return r;
+}
+
+template <class T>
+void scale_row(T* s, int64_t n, T mul) {
+  using S = Simd<T>;
+  using V = typename S::V;
+  const V vm = S::splat(mul);
+  for (int64_t j = 0; j < n; j += S::W) vstore(s + j, vload<V>(s + j) * vm);
+}
+
+template <class T>
+void fill(T* s, int64_t n, T x) {
+  for (int64_t j = 0; j < n; ++j) s[j] = x;
+}
+
+constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Asks for part `part` of `parts` of [p, p + bytes) to be brought into L2.
+// Spread over a loop that does other work, it overlaps the next kv tile's
+// trip from L3 with the current tile's softmax.
+inline void prefetch_part(const void* p, int64_t bytes, int64_t part, int64_t parts) {
+  const int64_t lines = (bytes + 63) / 64, begin = lines * part / parts, end = lines * (part + 1) / parts;
+  for (int64_t l = begin; l < end; ++l) __builtin_prefetch(static_cast<const char*>(p) + l * 64, 0, 2);
+}
+
+template <class T>
+void mul_rows(T* s, const T* z, int64_t n) {
+  using S = Simd<T>;
+  using V = typename S::V;
+  for (int64_t j = 0; j < n; j += S::W) vstore(s + j, vload<V>(s + j) * vload<V>(z + j));
+}
