@@ -1,7 +1,9 @@
 // cuda_flash's launchers: AttentionKernelParams -> DeviceParams -> the
 // kernels of flash_attention_cuda_impl.cuh, for {bfloat16, float16} x head
 // dim {64, 128}; causal masks, lengths and dropout are run-time flags so that
-// these four instantiations per pass are all there is to compile.
+// these four instantiations per pass are all there is to compile. CUDA is
+// reached only through cuda/primitives.cuh, so a host emulation compiles this
+// file too (tests/cuda_emu).
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -16,10 +18,13 @@ namespace {
 using cuda_flash::DeviceParams;
 using cuda_flash::kThreads;
 
-void check_cuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess)
-    throw std::runtime_error(std::string("[cuda_flash] ") + what + ": " + cudaGetErrorName(e) + " (" +
-                             cudaGetErrorString(e) + ")");
+using cuda_flash::bf16;
+using cuda_flash::f16;
+using Stream = CUstream_st*;
+
+// err: "" or what the runtime reported.
+void check_cuda(const std::string& err, const char* what) {
+  if (!err.empty()) throw std::runtime_error(std::string("[cuda_flash] ") + what + ": " + err);
 }
 
 cuda_flash::Strides strides_of(const ElementStrides& s) { return {s.batch, s.head, s.row}; }
@@ -70,46 +75,44 @@ void check_gate(const AttentionKernelParams& p, bool backward) {
 }
 
 template <class T, int D>
-void forward(const DeviceParams& d, cudaStream_t stream) {
+void forward(const DeviceParams& d, Stream stream) {
+  using cuda_flash::launch;
   constexpr int smem = cuda_flash::fwd_smem_bytes<D>();
   auto* kernel = cuda_flash::forward_kernel<T, D>;
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "raising the forward kernel's shared memory limit");
+  check_cuda(cuda_flash::allow_dynamic_smem(kernel, smem), "raising the forward kernel's shared memory limit");
   const dim3 grid((d.seqlen_q + cuda_flash::kFwdBlockM - 1) / cuda_flash::kFwdBlockM, d.heads, d.batch);
-  kernel<<<grid, kThreads, smem, stream>>>(d);
-  check_cuda(cudaGetLastError(), "launching the forward kernel");
+  check_cuda(launch(kernel, grid, dim3(kThreads), smem, stream, d), "launching the forward kernel");
 }
 
 template <class T, int D>
-void backward(const DeviceParams& d, cudaStream_t stream) {
+void backward(const DeviceParams& d, Stream stream) {
+  using cuda_flash::launch;
   // pre: batch >= 1 (else nothing to do, checked by the caller).
   const int64_t rows = int64_t{d.batch} * d.heads * d.seqlen_q;
   if (rows > 0) {
-    check_cuda(cudaMemsetAsync(d.dq_accum, 0, static_cast<size_t>(rows) * D * sizeof(float), stream),
+    check_cuda(cuda_flash::zero_async(d.dq_accum, static_cast<size_t>(rows) * D * sizeof(float), stream),
                "zeroing the dq accumulator");
-    cuda_flash::row_dot_kernel<T, D>
-        <<<static_cast<unsigned>((rows + cuda_flash::kWarps - 1) / cuda_flash::kWarps), kThreads, 0, stream>>>(d);
-    check_cuda(cudaGetLastError(), "launching the row-sum kernel");
+    const dim3 grid(static_cast<unsigned>((rows + cuda_flash::kWarps - 1) / cuda_flash::kWarps));
+    check_cuda(launch(cuda_flash::row_dot_kernel<T, D>, grid, dim3(kThreads), 0, stream, d),
+               "launching the row-sum kernel");
   }
   if (d.seqlen_k > 0) {  // with no query rows it writes dk = dv = 0
     constexpr int smem = cuda_flash::bwd_smem_bytes<D>();
     auto* kernel = cuda_flash::backward_kernel<T, D>;
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-               "raising the backward kernel's shared memory limit");
+    check_cuda(cuda_flash::allow_dynamic_smem(kernel, smem), "raising the backward kernel's shared memory limit");
     const dim3 grid((d.seqlen_k + cuda_flash::kBwdBlockN - 1) / cuda_flash::kBwdBlockN, d.heads / d.group, d.batch);
-    kernel<<<grid, kThreads, smem, stream>>>(d);
-    check_cuda(cudaGetLastError(), "launching the backward kernel");
+    check_cuda(launch(kernel, grid, dim3(kThreads), smem, stream, d), "launching the backward kernel");
   }
   if (rows > 0) {
     const int64_t n = rows * D;
-    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65536));
-    cuda_flash::convert_dq_kernel<T, D><<<blocks, 256, 0, stream>>>(d);
-    check_cuda(cudaGetLastError(), "launching the dq conversion kernel");
+    const dim3 grid(static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65536)));
+    check_cuda(launch(cuda_flash::convert_dq_kernel<T, D>, grid, dim3(256), 0, stream, d),
+               "launching the dq conversion kernel");
   }
 }
 
 // The pass's instantiation for the params' element type and head dim.
-using Pass = void (*)(const DeviceParams&, cudaStream_t);
+using Pass = void (*)(const DeviceParams&, Stream);
 Pass pick(const AttentionKernelParams& p, Pass bf16_64, Pass f16_64, Pass bf16_128, Pass f16_128) {
   const bool bf16 = p.dtype == ElementType::bfloat16;
   if (p.head_dim == 64) return bf16 ? bf16_64 : f16_64;
@@ -122,7 +125,7 @@ void cuda_flash_forward(const AttentionKernelParams& p, CUstream_st* stream) {
   check_gate(p, false);
   if (p.batch * p.heads * p.seqlen_q == 0) return;
   const DeviceParams d = device_params(p);
-  pick(p, forward<__nv_bfloat16, 64>, forward<__half, 64>, forward<__nv_bfloat16, 128>, forward<__half, 128>)(d, stream);
+  pick(p, forward<bf16, 64>, forward<f16, 64>, forward<bf16, 128>, forward<f16, 128>)(d, stream);
 }
 
 void cuda_flash_backward(const AttentionKernelParams& p, void* workspace, CUstream_st* stream) {
@@ -130,15 +133,16 @@ void cuda_flash_backward(const AttentionKernelParams& p, void* workspace, CUstre
   const int64_t rows = p.batch * p.heads * p.seqlen_q;
   const int64_t kv_rows = p.batch * p.kv_heads * p.seqlen_k;
   if (p.batch == 0 || (rows == 0 && kv_rows == 0)) return;
-  if (workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % 16 != 0)
+  // A workspace of 0 bytes (no query rows) may be null.
+  const size_t ws_bytes = cuda_flash_backward_workspace_bytes(p);
+  if ((ws_bytes > 0 && workspace == nullptr) || reinterpret_cast<uintptr_t>(workspace) % 16 != 0)
     throw std::invalid_argument("[cuda_flash backward] needs a 16-byte aligned workspace of " +
-                                std::to_string(cuda_flash_backward_workspace_bytes(p)) + " bytes");
+                                std::to_string(ws_bytes) + " bytes");
   DeviceParams d = device_params(p);
   d.dq_accum = static_cast<float*>(workspace);
   const size_t dq_bytes = (static_cast<size_t>(rows) * p.head_dim * 4 + 15) / 16 * 16;
   d.dsum = reinterpret_cast<float*>(static_cast<char*>(workspace) + dq_bytes);
-  pick(p, backward<__nv_bfloat16, 64>, backward<__half, 64>, backward<__nv_bfloat16, 128>,
-       backward<__half, 128>)(d, stream);
+  pick(p, backward<bf16, 64>, backward<f16, 64>, backward<bf16, 128>, backward<f16, 128>)(d, stream);
 }
 
 }  // namespace dimattn::kernels

@@ -7,15 +7,15 @@
 // use mma.sync.m16n8k16 (A 16x16 row-major, B 16x8 column-major, C 16x8
 // float32): in the C fragment, lane l holds rows g = l / 4 and g + 8, columns
 // 2 * (l % 4) and + 1 of each 8-column tile. Fragments come from shared memory
-// through ldmatrix (.trans where the stored tile is k-major).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
+// through ldmatrix (.trans where the stored tile is k-major). Every CUDA
+// instruction, intrinsic and shared-memory access goes through
+// cuda/primitives.cuh, so that a host emulation can run this code.
+#include <cmath>
 #include <cstdint>
 
 #include "common/attention_mask.h"
 #include "common/philox.h"
+#include "cuda/primitives.cuh"
 
 namespace dimattn::kernels::cuda_flash {
 
@@ -108,9 +108,10 @@ __device__ inline uint32_t dropout_bits(const DeviceParams& p, uint32_t bh, uint
   return philox_lane(dropout_words_of(p, bh, i, j), j & 3);
 }
 
-__device__ inline float keep_factor(const DeviceParams& p, uint32_t bits) {
-  return p.rule.keeps(bits) ? p.keep_scale : 0.f;
-}
+// 1 or 0: whether dropout keeps an element. The rescale 1 / (1 - p) is not
+// applied to weights that are rounded to 16 bits (with float16 and p near 1 it
+// would overflow there); it scales the float32 results at the end.
+__device__ inline float kept(const DeviceParams& p, uint32_t bits) { return p.rule.keeps(bits) ? 1.f : 0.f; }
 
 // --- element types ---
 
@@ -118,65 +119,27 @@ template <class T>
 struct Elem;
 
 template <>
-struct Elem<__nv_bfloat16> {
-  __device__ static uint32_t pack(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo in the low half
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-  __device__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-  __device__ static __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+struct Elem<bf16> {
+  __device__ static uint32_t pack(float lo, float hi) { return pack_bf16x2(lo, hi); }
+  __device__ static float to_float(bf16 x) { return cuda_flash::to_float(x); }
+  __device__ static bf16 from_float(float x) { return to_bf16(x); }
   // c += a * b, 16x8x16, float32 accumulators.
   __device__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    mma_bf16(c, a, b0, b1);
   }
 };
 
 template <>
-struct Elem<__half> {
-  __device__ static uint32_t pack(float lo, float hi) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-  __device__ static float to_float(__half x) { return __half2float(x); }
-  __device__ static __half from_float(float x) { return __float2half_rn(x); }
+struct Elem<f16> {
+  __device__ static uint32_t pack(float lo, float hi) { return pack_f16x2(lo, hi); }
+  __device__ static float to_float(f16 x) { return cuda_flash::to_float(x); }
+  __device__ static f16 from_float(float x) { return to_f16(x); }
   __device__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    mma_f16(c, a, b0, b1);
   }
 };
 
-// --- shared memory: asynchronous copies and ldmatrix ---
-
-__device__ inline uint32_t smem_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
-// 16 bytes from global to shared memory, or 16 zero bytes when !valid.
-__device__ inline void cp_async_16(void* smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem),
-               "r"(valid ? 16 : 0));
-}
-__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ inline void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ inline void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_address(p)));
-}
-__device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_address(p)));
-}
+// --- fragments from shared memory ---
 
 // The A fragment of the 16x16 block at (r0, c0) of a row-major tile
 // (M rows, K columns): r = {a0, a1, a2, a3}.
@@ -224,12 +187,12 @@ __device__ inline void c_to_a(uint32_t (&a)[4], const float (&s0)[4], const floa
 }
 
 __device__ inline float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+  x = fmaxf(x, shfl_xor(x, 1));
+  return fmaxf(x, shfl_xor(x, 2));
 }
 __device__ inline float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+  x += shfl_xor(x, 1);
+  return x + shfl_xor(x, 2);
 }
 
 // ---------------------------------------------------------------------------
@@ -240,9 +203,8 @@ __device__ inline float quad_sum(float x) {
 template <class T, int D>
 __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p) {
   constexpr int BM = kFwdBlockM, BN = kFwdBlockN, LD = padded(D);
-  const float kInf = __int_as_float(0x7f800000);
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);
+  const float kInf = INFINITY;
+  T* sQ = reinterpret_cast<T*>(dynamic_smem());
   T* sK = sQ + BM * LD;
   T* sV = sK + BN * LD;
 
@@ -290,7 +252,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
       load_tile<T, D>(sV, vg + n0 * p.vs.row, p.vs.row, BN, min64(int64_t{BN}, n_end - n0));
       cp_async_commit();
       cp_async_wait<1>();  // Q and this block's K
-      __syncthreads();
+      block_sync();
       if (nb == nb_begin) {
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) load_a(qf[kk], sQ, LD, warp * 16, kk * 16, lane);
@@ -352,14 +314,14 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
           for (int r = 0; r < 2; ++r) {
             uint32_t b0, b1;
             dropout_bits_pair(p, bh, static_cast<uint32_t>(r ? i1 : i0), j, b0, b1);
-            s[t][2 * r] *= keep_factor(p, b0);
-            s[t][2 * r + 1] *= keep_factor(p, b1);
+            s[t][2 * r] *= kept(p, b0);
+            s[t][2 * r + 1] *= kept(p, b1);
           }
         }
       }
 
       cp_async_wait<0>();  // this block's V
-      __syncthreads();     // ... and every warp is done with K
+      block_sync();     // ... and every warp is done with K
       if (nb + 1 < n_blocks) {
         const int64_t n1 = n0 + BN;
         load_tile<T, D>(sK, kg + n1 * p.ks.row, p.ks.row, BN, min64(int64_t{BN}, n_end - n1));
@@ -379,16 +341,18 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
           Elem<T>::mma(o[2 * dp + 1], pa, vf[2], vf[3]);
         }
       }
-      __syncthreads();  // every warp is done with V before the next block's copy
+      block_sync();  // every warp is done with V before the next block's copy
     }
   }
 
-  // out = O / l (0 for rows that attend nothing); lse = ln(l) + max.
+  // out = O / l (0 for rows that attend nothing), times 1 / (1 - p) under
+  // dropout; lse = ln(l) + max.
   constexpr float kLn2 = 0.6931471805599453f;
+  const float out_scale = p.dropout ? p.keep_scale : 1.f;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l = quad_sum(row_sum[r]);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = l > 0.f ? out_scale / l : 0.f;
     const int64_t i = r ? i1 : i0;
     if (i >= p.seqlen_q) continue;
     T* orow = og + i * p.os.row;
@@ -422,7 +386,7 @@ __global__ void __launch_bounds__(kThreads) row_dot_kernel(const DeviceParams p)
     for (int c = lane; c < D; c += 32) acc += Elem<T>::to_float(o[c]) * Elem<T>::to_float(d[c]);
   }
 #pragma unroll
-  for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+  for (int s = 16; s > 0; s >>= 1) acc += shfl_xor(acc, s);
   if (lane == 0) p.dsum[row] = acc;
 }
 
@@ -435,8 +399,7 @@ template <class T, int D>
 __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p) {
   constexpr int BN = kBwdBlockN, BM = kBwdBlockM, LD = padded(D), LDS = padded(BN);
   constexpr float kLog2e = 1.4426950408889634f;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sK = reinterpret_cast<T*>(dynamic_smem());
   T* sV = sK + BN * LD;
   T* sQ = sV + BN * LD;
   T* sdO = sQ + BM * LD;
@@ -478,18 +441,18 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
       float* dqh = p.dq_accum + row_base * D;
 
       for (int64_t m0 = i_start / BM * BM; m0 < i_end; m0 += BM) {
-        __syncthreads();  // the previous step's reads of sQ, sdO, sdS, sLse are done
+        block_sync();  // the previous step's reads of sQ, sdO, sdS, sLse are done
         const int64_t rows = min64(int64_t{BM}, i_end - m0);
         load_tile<T, D>(sQ, qh + m0 * p.qs.row, p.qs.row, BM, rows);
         load_tile<T, D>(sdO, doh + m0 * p.dos.row, p.dos.row, BM, rows);
         cp_async_commit();
         if (threadIdx.x < BM) {
           const int64_t i = m0 + threadIdx.x;
-          sLse[threadIdx.x] = i < mask.q_len ? lseh[i] * kLog2e : 0.f;
-          sDsum[threadIdx.x] = i < mask.q_len ? p.dsum[row_base + i] : 0.f;
+          st_shared(sLse + threadIdx.x, i < mask.q_len ? lseh[i] * kLog2e : 0.f);
+          st_shared(sDsum + threadIdx.x, i < mask.q_len ? p.dsum[row_base + i] : 0.f);
         }
         cp_async_wait<0>();
-        __syncthreads();
+        block_sync();
 
         // S^T = K Q^T and dP^T = V dO^T: the warp's 16 positions x BM rows.
         float st[BM / 8][4], dpt[BM / 8][4];
@@ -514,9 +477,10 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
           }
         }
 
-        // P = exp2(S scale log2e - lse log2e) where allowed, else 0;
-        // Z = keep / (1 - p); X = P Z (the weights that made O), dP = dPd Z,
-        // dS = P (dP - D_i). st becomes X, dpt becomes dS.
+        // P = exp2(S scale log2e - lse log2e) where allowed, else 0; K = 1
+        // where dropout keeps, else 0; Z = K / (1 - p). X = P K (the weights
+        // that made O, before the rescale, which dV gets at the end), dP =
+        // dPd Z, dS = P (dP - D_i). st becomes X, dpt becomes dS.
 #pragma unroll
         for (int t = 0; t < BM / 8; ++t)
 #pragma unroll
@@ -524,12 +488,14 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
             const int c = t * 8 + tig * 2 + (e & 1);  // row within the step
             const int64_t i = m0 + c, j = e < 2 ? j0 : j1;
             const bool allowed = mask.allowed(i, j);
-            const float w = allowed ? exp2f(st[t][e] * p.scale_log2 - sLse[c]) : 0.f;
-            float z = 1.f;
-            if (p.dropout && allowed)
-              z = keep_factor(p, dropout_bits(p, bh, static_cast<uint32_t>(i), static_cast<uint32_t>(j)));
-            st[t][e] = w * z;
-            dpt[t][e] = w * (dpt[t][e] * z - sDsum[c]);
+            const float w = allowed ? exp2f(st[t][e] * p.scale_log2 - ld_shared(sLse + c)) : 0.f;
+            float k = 1.f, z = 1.f;
+            if (p.dropout && allowed) {
+              k = kept(p, dropout_bits(p, bh, static_cast<uint32_t>(i), static_cast<uint32_t>(j)));
+              z = k * p.keep_scale;
+            }
+            st[t][e] = w * k;
+            dpt[t][e] = w * (dpt[t][e] * z - ld_shared(sDsum + c));
           }
 
         // dV += X^T dO and dK += dS^T Q (scaled at the end): A from the
@@ -557,9 +523,9 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int c = t * 8 + tig * 2 + (e & 1);
-            sdS[c * LDS + warp * 16 + g + (e < 2 ? 0 : 8)] = Elem<T>::from_float(dpt[t][e]);
+            st_shared(sdS + c * LDS + warp * 16 + g + (e < 2 ? 0 : 8), Elem<T>::from_float(dpt[t][e]));
           }
-        __syncthreads();
+        block_sync();
 
         // dQ += dS K over this block's positions. Warp w: query rows
         // 16 * (w % kRowTiles) + [0, 16), columns of its share of D, 32 at a time.
@@ -588,12 +554,12 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
           for (int t = 0; t < 4; ++t) {
             const int col = c0 + t * 8 + tig * 2;
             if (qi0 < mask.q_len) {
-              atomicAdd(dqh + qi0 * D + col, acc[t][0]);
-              atomicAdd(dqh + qi0 * D + col + 1, acc[t][1]);
+              atomic_add(dqh + qi0 * D + col, acc[t][0]);
+              atomic_add(dqh + qi0 * D + col + 1, acc[t][1]);
             }
             if (qi1 < mask.q_len) {
-              atomicAdd(dqh + qi1 * D + col, acc[t][2]);
-              atomicAdd(dqh + qi1 * D + col + 1, acc[t][3]);
+              atomic_add(dqh + qi1 * D + col, acc[t][2]);
+              atomic_add(dqh + qi1 * D + col + 1, acc[t][3]);
             }
           }
         }
@@ -601,7 +567,9 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
     }
   }
 
-  // dK (times the scale) and dV of the block's positions; 0 past kv_len.
+  // dK (times the scale) and dV (times 1 / (1 - p) under dropout) of the
+  // block's positions; 0 past kv_len.
+  const float dv_scale = p.dropout ? p.keep_scale : 1.f;
   T* dkg = static_cast<T*>(p.dk) + b * p.dks.batch + hk * p.dks.head;
   T* dvg = static_cast<T*>(p.dv) + b * p.dvs.batch + hk * p.dvs.head;
 #pragma unroll
@@ -613,7 +581,7 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
       const int col = t * 8 + tig * 2;
       *reinterpret_cast<uint32_t*>(dkg + j * p.dks.row + col) =
           Elem<T>::pack(dk[t][2 * r] * p.scale, dk[t][2 * r + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(dvg + j * p.dvs.row + col) = Elem<T>::pack(dv[t][2 * r], dv[t][2 * r + 1]);
+      *reinterpret_cast<uint32_t*>(dvg + j * p.dvs.row + col) = Elem<T>::pack(dv[t][2 * r] * dv_scale, dv[t][2 * r + 1] * dv_scale);
     }
   }
 }

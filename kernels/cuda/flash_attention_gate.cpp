@@ -2,7 +2,6 @@
 // (with or without CUDA) so that the CPU tests check what it accepts.
 #include <cstdint>
 #include <limits>
-#include <stdexcept>
 
 #include "cuda/flash_attention_cuda.h"
 
@@ -66,16 +65,5 @@ size_t cuda_flash_backward_workspace_bytes(const AttentionKernelParams& p) {
   auto round16 = [](int64_t bytes) { return static_cast<size_t>((bytes + 15) / 16 * 16); };
   return round16(rows * p.head_dim * 4) + round16(rows * 4);  // dq in float32, then D_i
 }
-
-#if !defined(DIMATTN_HAS_CUDA_KERNELS)
-// Without CUDA the launchers exist so that the torch backend links either
-// way; its gate rejects every call first (cuda_flash_compiled()).
-void cuda_flash_forward(const AttentionKernelParams&, CUstream_st*) {
-  throw std::runtime_error("[cuda_flash] this build has no CUDA kernels (DIMATTN_WITH_CUDA=OFF)");
-}
-void cuda_flash_backward(const AttentionKernelParams&, void*, CUstream_st*) {
-  throw std::runtime_error("[cuda_flash backward] this build has no CUDA kernels (DIMATTN_WITH_CUDA=OFF)");
-}
-#endif
 
 }  // namespace dimattn::kernels

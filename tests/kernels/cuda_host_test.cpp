@@ -2,7 +2,8 @@
 // g++ compiles (and, on a GPU, the device's); the kernel gate and the
 // selection gate accept and reject with reasons. With a GPU (sm_80+), the
 // kernels themselves against the CPU kernel on the same inputs, dropout
-// masks included; without one those tests skip.
+// masks included, on the cases the host emulation runs in CI
+// (kernels/cuda_flash_cases.h); without one those tests skip.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -22,8 +23,8 @@
 #include "cpu/thread_pool.h"
 #include "cuda/flash_attention_cuda.h"
 #if defined(DIMATTN_TEST_WITH_CUDA)
-#include "bf16_bits.h"
-#include "cuda_test_support.h"
+#include "kernels/cuda_flash_cases.h"
+#include "kernels/cuda_test_support.h"
 #endif
 
 namespace dimattn::kernels {
@@ -230,189 +231,38 @@ TEST(CudaPhilox, DeviceStreamEqualsHostStream) {
   }
 }
 
-// --- the kernels against the CPU kernel (GPU only) ---
+// --- the kernels against the oracle and the CPU kernel (GPU only) ---
 
-using test::bf16_round;
-using test::bf16_value;
-
-struct GpuCase {
-  std::string name;
-  ElementType dtype = ElementType::bfloat16;
-  int64_t B = 2, H = 4, Hkv = 2, Tq = 100, Tk = 130, D = 64;
-  bool causal = false;
-  std::vector<int64_t> kv_lens, offsets;
-  double p = 0;
-  bool broadcast = false;
+// Device memory; the passes on the default stream.
+struct DeviceRunner : test::CudaFlashRunner {
+  void* alloc(size_t bytes) override {
+    void* p = testing::cuda::device_alloc(bytes);
+    testing::cuda::device_fill_bytes(p, 0xFF, bytes);
+    return p;
+  }
+  void free(void* p) override { testing::cuda::device_free(p); }
+  void upload(void* dst, const void* src, size_t bytes) override { testing::cuda::copy_to_device(dst, src, bytes); }
+  void download(void* dst, const void* src, size_t bytes) override {
+    testing::cuda::device_synchronize();
+    testing::cuda::copy_to_host(dst, src, bytes);
+  }
+  void forward(const AttentionKernelParams& p) override { cuda_flash_forward(p, nullptr); }
+  void backward(const AttentionKernelParams& p, void* workspace) override {
+    cuda_flash_backward(p, workspace, nullptr);
+  }
 };
 
-// Device buffer of n 16-bit elements, poisoned with NaN.
-struct DeviceBuf {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  explicit DeviceBuf(size_t b) : ptr(testing::cuda::device_alloc(b)), bytes(b) {
-    testing::cuda::device_fill_bytes(ptr, 0xFF, b);
-  }
-  ~DeviceBuf() { testing::cuda::device_free(ptr); }
-  DeviceBuf(const DeviceBuf&) = delete;
-  DeviceBuf& operator=(const DeviceBuf&) = delete;
-};
+// The cases the emulation runs in CI (tests/cuda_emu), here on the GPU.
+class CudaFlashKernel : public ::testing::TestWithParam<test::CudaKernelCase> {};
 
-void check_against_cpu(const GpuCase& c) {
-  SCOPED_TRACE(c.name);
-  namespace tc = testing::cuda;
-  const bool half = c.dtype == ElementType::float16;
-  const int64_t nq = c.B * c.H * c.Tq * c.D, nk = c.B * c.Hkv * c.Tk * c.D, rows = c.B * c.H * c.Tq;
-  std::mt19937_64 rng(42);
-  std::normal_distribution<float> normal;
-  // 16-bit inputs, and their exact float32 values for the CPU kernel.
-  auto make = [&](int64_t n, std::vector<uint16_t>& bits, std::vector<float>& vals) {
-    bits.resize(n);
-    vals.resize(n);
-    for (int64_t i = 0; i < n; ++i) {
-      const float x = normal(rng);
-      bits[i] = half ? tc::float_to_half_bits(x) : bf16_round(x);
-      vals[i] = half ? tc::half_bits_to_float(bits[i]) : bf16_value(bits[i]);
-    }
-  };
-  std::vector<uint16_t> qb, kb, vb, db;
-  std::vector<float> qf, kf, vf, df;
-  make(nq, qb, qf);
-  make(nk, kb, kf);
-  make(nk, vb, vf);
-  make(nq, db, df);
-
-  AttentionKernelParams p;
-  p.batch = c.B;
-  p.heads = c.H;
-  p.kv_heads = c.Hkv;
-  p.seqlen_q = c.Tq;
-  p.seqlen_k = c.Tk;
-  p.head_dim = p.head_dim_v = c.D;
-  const ElementStrides qs{c.H * c.Tq * c.D, c.Tq * c.D, c.D, 1}, ks{c.Hkv * c.Tk * c.D, c.Tk * c.D, c.D, 1};
-  p.q_strides = p.out_strides = p.dout_strides = p.dq_strides = qs;
-  p.k_strides = p.v_strides = p.dk_strides = p.dv_strides = ks;
-  p.lse_batch_stride = c.H * c.Tq;
-  p.lse_head_stride = c.Tq;
-  p.causal = c.causal;
-  p.scale = 1.0 / std::sqrt(static_cast<double>(c.D));
-  p.dropout_p = c.p;
-  p.dropout_broadcast = c.broadcast;
-  p.seed = 99;
-  p.rng_offset = 3;
-
-  // CPU: bf16 runs as bf16 (the same bits), f16 as float32 of the same values.
-  AttentionKernelParams cp = p;
-  cp.kv_lengths = c.kv_lens.empty() ? nullptr : c.kv_lens.data();
-  cp.causal_offset = c.offsets.empty() ? nullptr : c.offsets.data();
-  std::vector<float> cpu_out(nq), cpu_lse(rows), cpu_dq(nq), cpu_dk(nk), cpu_dv(nk);
-  std::vector<uint16_t> cpu_out16(nq), cpu_dq16(nq), cpu_dk16(nk), cpu_dv16(nk);
-  ThreadPool pool(2);
-  if (half) {
-    cp.dtype = ElementType::float32;
-    cp.q = qf.data(), cp.k = kf.data(), cp.v = vf.data(), cp.dout = df.data();
-    cp.out = cpu_out.data(), cp.dq = cpu_dq.data(), cp.dk = cpu_dk.data(), cp.dv = cpu_dv.data();
-  } else {
-    cp.dtype = ElementType::bfloat16;
-    cp.q = qb.data(), cp.k = kb.data(), cp.v = vb.data(), cp.dout = db.data();
-    cp.out = cpu_out16.data(), cp.dq = cpu_dq16.data(), cp.dk = cpu_dk16.data(), cp.dv = cpu_dv16.data();
-  }
-  cp.lse = cpu_lse.data();
-  flash_attention_forward_cpu(cp, pool.as_parallel_for());
-  flash_attention_backward_cpu(cp, pool.as_parallel_for());
-  auto cpu_value = [&](const std::vector<float>& f, const std::vector<uint16_t>& b, int64_t i) {
-    return half ? f[i] : bf16_value(b[i]);
-  };
-
-  // GPU.
-  DeviceBuf q(nq * 2), k(nk * 2), v(nk * 2), dout(nq * 2), out(nq * 2), lse(rows * 4), dq(nq * 2), dk(nk * 2),
-      dv(nk * 2), lens(8 * c.B + 8), offs(8 * c.B + 8);
-  tc::copy_to_device(q.ptr, qb.data(), nq * 2);
-  tc::copy_to_device(k.ptr, kb.data(), nk * 2);
-  tc::copy_to_device(v.ptr, vb.data(), nk * 2);
-  tc::copy_to_device(dout.ptr, db.data(), nq * 2);
-  p.dtype = c.dtype;
-  p.q = q.ptr, p.k = k.ptr, p.v = v.ptr, p.dout = dout.ptr;
-  p.out = out.ptr, p.lse = lse.ptr, p.dq = dq.ptr, p.dk = dk.ptr, p.dv = dv.ptr;
-  if (!c.kv_lens.empty()) {
-    tc::copy_to_device(lens.ptr, c.kv_lens.data(), 8 * c.B);
-    p.kv_lengths = static_cast<const int64_t*>(lens.ptr);
-  }
-  if (!c.offsets.empty()) {
-    tc::copy_to_device(offs.ptr, c.offsets.data(), 8 * c.B);
-    p.causal_offset = static_cast<const int64_t*>(offs.ptr);
-  }
-  ASSERT_EQ(cuda_flash_gate(p, true), "");
-  DeviceBuf ws(cuda_flash_backward_workspace_bytes(p));
-  cuda_flash_forward(p, nullptr);
-  cuda_flash_backward(p, ws.ptr, nullptr);
-  tc::device_synchronize();
-  std::vector<uint16_t> g_out(nq), g_dq(nq), g_dk(nk), g_dv(nk);
-  std::vector<float> g_lse(rows);
-  tc::copy_to_host(g_out.data(), out.ptr, nq * 2);
-  tc::copy_to_host(g_dq.data(), dq.ptr, nq * 2);
-  tc::copy_to_host(g_dk.data(), dk.ptr, nk * 2);
-  tc::copy_to_host(g_dv.data(), dv.ptr, nk * 2);
-  tc::copy_to_host(g_lse.data(), lse.ptr, rows * 4);
-  auto gpu_value = [&](const std::vector<uint16_t>& b, int64_t i) {
-    return half ? tc::half_bits_to_float(b[i]) : bf16_value(b[i]);
-  };
-
-  const double tol = half ? 2e-3 : 2e-2;
-  auto compare = [&](const char* what, const std::vector<float>& cf, const std::vector<uint16_t>& cb,
-                     const std::vector<uint16_t>& g, int64_t n, double t) {
-    double worst = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const double a = cpu_value(cf, cb, i), b = gpu_value(g, i);
-      ASSERT_FALSE(std::isnan(b)) << what << "[" << i << "] is NaN (unwritten or wrong)";
-      // Relative to the scale of the values where they are large (gradients).
-      worst = std::max(worst, std::abs(a - b) / std::max(1.0, std::abs(a)));
-    }
-    std::cout << "[ cuda ] " << c.name << " " << what << ": max err " << worst << "\n";
-    EXPECT_LE(worst, t) << what;
-  };
-  compare("out", cpu_out, cpu_out16, g_out, nq, tol);
-  compare("dq", cpu_dq, cpu_dq16, g_dq, nq, 2 * tol);
-  compare("dk", cpu_dk, cpu_dk16, g_dk, nk, 2 * tol);
-  compare("dv", cpu_dv, cpu_dv16, g_dv, nk, 2 * tol);
-  for (int64_t r = 0; r < rows; ++r) {
-    if (std::isinf(cpu_lse[r])) {
-      EXPECT_TRUE(std::isinf(g_lse[r]) && g_lse[r] < 0) << "lse row " << r;
-    } else {
-      EXPECT_NEAR(g_lse[r], cpu_lse[r], 1e-3 * std::max(1.0f, std::abs(cpu_lse[r]))) << "lse row " << r;
-    }
-  }
-}
-
-std::vector<GpuCase> gpu_cases() {
-  std::vector<GpuCase> out;
-  for (ElementType t : {ElementType::bfloat16, ElementType::float16})
-    for (int64_t D : {64, 128}) {
-      const std::string s = std::string("_") + element_type_name(t) + "_d" + std::to_string(D);
-      out.push_back({.name = "plain" + s, .dtype = t, .D = D});
-      out.push_back({.name = "causal" + s, .dtype = t, .Tq = 130, .D = D, .causal = true});
-      out.push_back({.name = "causal_offsets_lengths" + s, .dtype = t, .D = D, .causal = true, .kv_lens = {130, 57},
-                     .offsets = {30, -5}});
-      out.push_back({.name = "mqa_lengths" + s, .dtype = t, .Hkv = 1, .D = D, .kv_lens = {0, 65}});
-      out.push_back({.name = "dropout" + s, .dtype = t, .D = D, .causal = true, .offsets = {30, 30}, .p = 0.3});
-      out.push_back({.name = "broadcast_dropout" + s, .dtype = t, .D = D, .kv_lens = {100, 7}, .p = 0.5,
-                     .broadcast = true});
-    }
-  return out;
-}
-
-// DIMATTN_CUDA_TEST_CASE=<part of a name> runs only the matching cases (one
-// small case under compute-sanitizer, scripts/gpu-check).
-TEST(CudaFlashKernel, ForwardAndBackwardMatchTheCpuKernel) {
+TEST_P(CudaFlashKernel, MatchesTheOracleAndCpuFlash) {
   if (std::string why = testing::cuda::device_unavailable(); !why.empty()) GTEST_SKIP() << why;
-  const char* only = std::getenv("DIMATTN_CUDA_TEST_CASE");
-  int ran = 0;
-  for (const GpuCase& c : gpu_cases())
-    if (!only || contains(c.name, only)) {
-      check_against_cpu(c);
-      ++ran;
-    }
-  EXPECT_GT(ran, 0) << "no case matches DIMATTN_CUDA_TEST_CASE=" << only;
+  DeviceRunner runner;
+  test::check_cuda_flash_case(GetParam(), runner);
 }
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaFlashKernel, ::testing::ValuesIn(test::cuda_kernel_cases()),
+                         [](const ::testing::TestParamInfo<test::CudaKernelCase>& i) { return i.param.name; });
 
 #endif  // DIMATTN_TEST_WITH_CUDA
 
