@@ -15,6 +15,7 @@
 #include "dimattn/error.h"
 #include "dimattn/forcing.h"
 #include "dimattn/registry.h"
+#include "dimattn/testing/json.h"
 #include "problem.h"
 
 namespace dimattn::cli {
@@ -55,7 +56,7 @@ struct Settings {
 
 struct Config {
   std::string kind;  // self, causal, cross
-  Problem problem;
+  AttentionCase problem;
 };
 
 struct Timing {
@@ -128,7 +129,7 @@ std::vector<Config> suite(const Settings& s) {
         for (const char* kind : {"self", "causal", "cross"})
           for (int64_t T : s.seqs) {
             const bool cross = std::string(kind) == "cross";
-            Problem p{.backend = backend, .device = device, .dtype = dtype, .kind = cross ? Kind::cross : Kind::self,
+            AttentionCase p{.backend = backend, .device = device, .dtype = dtype, .kind = cross ? Kind::cross : Kind::self,
                       .batch = 8, .heads = 8, .groups = cross ? 4 : 1, .group_name = "beam",
                       .seq_q = cross ? std::max<int64_t>(1, T / 4) : T, .seq_k = T, .head_dim = 64,
                       .head_dim_v = 64, .causal = std::string(kind) == "causal"};
@@ -140,7 +141,7 @@ std::vector<Config> suite(const Settings& s) {
 
 // The kernels timed for a config, in the backend's priority order; the
 // reference and auto are added by the caller.
-std::vector<std::string> kernels_of(const Problem& p, const Settings& s) {
+std::vector<std::string> kernels_of(const AttentionCase& p, const Settings& s) {
   std::vector<std::string> out;
   for (const std::string& k : get_backend(p.backend).attention_kernels(p.device))
     if (k != kReferenceKernel && (s.kernels.empty() || std::count(s.kernels.begin(), s.kernels.end(), k))) out.push_back(k);
@@ -212,7 +213,7 @@ Record measure(const Config& c, const Operands& ops, const std::string& kernel, 
 }
 
 std::vector<Record> bench_config(const Config& c, const Settings& s, Progress& progress) {
-  const Problem& p = c.problem;
+  const AttentionCase& p = c.problem;
   const Operands ops = make_operands(p);
   const std::string label = c.kind + " " + p.backend + " " + device_name(p.device) + " " + dtype_name(p.dtype) +
                             " T=" + std::to_string(p.seq_k) + " ";
@@ -243,7 +244,7 @@ std::vector<Record> bench_config(const Config& c, const Settings& s, Progress& p
 
 // --- output ---
 
-std::string rows_label(const Problem& p) {
+std::string rows_label(const AttentionCase& p) {
   return p.groups > 1 ? std::to_string(p.groups) + "x" + std::to_string(p.seq_q) : std::to_string(p.seq_q);
 }
 
@@ -253,7 +254,7 @@ void print_header() {
 }
 
 void print_row(const Record& r) {
-  const Problem& p = r.config->problem;
+  const AttentionCase& p = r.config->problem;
   const std::string kernel = r.kernel == "auto" ? "auto (" + r.auto_kernel + ")" : r.kernel;
   std::printf("%-6s %-7s %-6s %-8s %6s %5lld  %-22s ", r.config->kind.c_str(), p.backend.c_str(),
               device_name(p.device).c_str(), dtype_name(p.dtype), rows_label(p).c_str(),
@@ -272,50 +273,28 @@ void print_row(const Record& r) {
   std::fflush(stdout);
 }
 
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (char ch : s) {
-    if (ch == '"' || ch == '\\') out += '\\';
-    if (static_cast<unsigned char>(ch) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\u%04x", ch);
-      out += buf;
-      continue;
-    }
-    out += ch;
-  }
-  return out + "\"";
-}
-
-std::string json_number(double x) {
-  if (!std::isfinite(x)) return "null";
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.6g", x);
-  return buf;
-}
-
 void write_json(const std::string& path, const std::vector<Record>& records) {
   std::ofstream f(path);
   if (!f) throw Error("cannot write " + path);
   f << "[\n";
   for (size_t i = 0; i < records.size(); ++i) {
     const Record& r = records[i];
-    const Problem& p = r.config->problem;
-    f << "  {\"config\": {\"kind\": " << json_string(r.config->kind) << ", \"device\": "
-      << json_string(device_name(p.device)) << ", \"dtype\": " << json_string(dtype_name(p.dtype))
-      << ", \"backend\": " << json_string(p.backend) << ", \"B\": " << p.batch << ", \"H\": " << p.heads
+    const AttentionCase& p = r.config->problem;
+    f << "  {\"config\": {\"kind\": " << testing::json_string(r.config->kind) << ", \"device\": "
+      << testing::json_string(device_name(p.device)) << ", \"dtype\": " << testing::json_string(dtype_name(p.dtype))
+      << ", \"backend\": " << testing::json_string(p.backend) << ", \"B\": " << p.batch << ", \"H\": " << p.heads
       << ", \"G\": " << p.groups << ", \"Tq\": " << p.seq_q << ", \"Tk\": " << p.seq_k << ", \"D\": " << p.head_dim
-      << ", \"causal\": " << (p.causal ? "true" : "false") << "},\n   \"kernel\": " << json_string(r.kernel)
-      << ", \"auto_kernel\": " << json_string(r.auto_kernel) << ", \"selected\": " << (r.selected ? "true" : "false");
+      << ", \"causal\": " << (p.causal ? "true" : "false") << "},\n   \"kernel\": " << testing::json_string(r.kernel)
+      << ", \"auto_kernel\": " << testing::json_string(r.auto_kernel) << ", \"selected\": " << (r.selected ? "true" : "false");
     if (r.rejected_reason) {
-      f << ", \"rejected_reason\": " << json_string((r.failed ? "failed: " : "") + *r.rejected_reason)
+      f << ", \"rejected_reason\": " << testing::json_string((r.failed ? "failed: " : "") + *r.rejected_reason)
         << ", \"median_ms\": null, \"min_ms\": null, \"repeats\": 0, \"gflops\": null, "
            "\"speedup_vs_reference\": null, \"max_abs_err\": null";
     } else {
-      f << ",\n   \"median_ms\": " << json_number(r.t.median_ms) << ", \"min_ms\": " << json_number(r.t.min_ms)
-        << ", \"repeats\": " << r.t.repeats << ", \"gflops\": " << json_number(r.gflops)
-        << ", \"speedup_vs_reference\": " << json_number(r.speedup)
-        << ", \"max_abs_err\": " << json_number(r.max_abs_err);
+      f << ",\n   \"median_ms\": " << testing::json_number(r.t.median_ms) << ", \"min_ms\": " << testing::json_number(r.t.min_ms)
+        << ", \"repeats\": " << r.t.repeats << ", \"gflops\": " << testing::json_number(r.gflops)
+        << ", \"speedup_vs_reference\": " << testing::json_number(r.speedup)
+        << ", \"max_abs_err\": " << testing::json_number(r.max_abs_err);
     }
     f << "}" << (i + 1 < records.size() ? "," : "") << "\n";
   }
@@ -327,7 +306,7 @@ void write_plot(const std::string& path, const std::vector<Record>& records) {
   std::vector<PlotPoint> points;
   for (const Record& r : records) {
     if (r.rejected_reason) continue;
-    const Problem& p = r.config->problem;
+    const AttentionCase& p = r.config->problem;
     const std::string kernel = p.backend + "/" + device_name(p.device) + " " + r.kernel;
     points.push_back({r.config->kind, kernel + " " + dtype_name(p.dtype), static_cast<double>(p.seq_k), r.t.median_ms,
                       kernel, dtype_name(p.dtype)});

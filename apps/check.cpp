@@ -34,10 +34,10 @@ const std::vector<Option> kOptions = {
 
 
 // A random small call; the backend and device are filled in per run.
-Problem random_problem(std::mt19937_64& rng) {
+AttentionCase random_problem(std::mt19937_64& rng) {
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   auto chance = [&](double p) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; };
-  Problem p;
+  AttentionCase p;
   p.dtype = std::vector{DType::float32, DType::float64, DType::bfloat16}[pick(0, 2)];
   const int64_t k = pick(0, 9);
   p.kind = k < 4 ? Kind::self : k < 8 ? Kind::cross : Kind::step;
@@ -85,7 +85,7 @@ struct Summary {
 };
 
 // Every eligible kernel of one backend and device on p, against the reference.
-void check_on(Problem p, const std::string& backend, Device device, int case_index, Summary& s) {
+void check_on(AttentionCase p, const std::string& backend, Device device, int case_index, Summary& s) {
   p.backend = backend;
   p.device = device;
   TrainFlagScope train(p.dropout > 0);
@@ -157,7 +157,7 @@ int run_check(int argc, char** argv, int first) {
   std::mt19937_64 rng(seed);
   Summary s;
   for (int64_t i = 0; i < cases; ++i) {
-    const Problem p = random_problem(rng);
+    const AttentionCase p = random_problem(rng);
     for (const std::string& backend : backend_names())
       for (Device device : {kCPU, kCUDA})
         if (get_backend(backend).supports(device)) check_on(p, backend, device, static_cast<int>(i), s);

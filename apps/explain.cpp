@@ -46,8 +46,8 @@ const std::vector<Option> kOptions = {
     {"force", "SPEC", "kernel forcing as DIMATTN_SDPA: auto, reference or a,b (default auto)"},
 };
 
-Problem problem_of(const Args& a) {
-  Problem p;
+AttentionCase problem_of(const Args& a) {
+  AttentionCase p;
   p.backend = a.text("backend", default_backend().name());
   if (!has_backend(p.backend)) a.fail("backend", "unknown backend '" + p.backend + "'");
   try {
@@ -86,7 +86,7 @@ Problem problem_of(const Args& a) {
 // library adds that field; until then they are rebuilt from the problem, as
 // the backends form them for these operands (separate contiguous tensors).
 template <class D>
-std::string params_line(const D& d, const Problem& p, const Operands& ops) {
+std::string params_line(const D& d, const AttentionCase& p, const Operands& ops) {
   if constexpr (requires { d.params.describe(); }) {
     return d.params.describe();
   } else {
@@ -116,7 +116,7 @@ int run_explain(int argc, char** argv, int first) {
     std::printf("%s", args.usage().c_str());
     return 0;
   }
-  Problem p = problem_of(args);
+  AttentionCase p = problem_of(args);
   if (!get_backend(p.backend).supports(p.device))
     throw Error("backend " + p.backend + " does not run on " + device_name(p.device) + " here");
   if (args.flag("deterministic")) set_deterministic_algorithms(true);

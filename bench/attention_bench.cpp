@@ -10,6 +10,7 @@
 #include "dimattn/ext/backend.h"
 #include "dimattn/registry.h"
 #include "dimattn/selection.h"
+#include "dimattn/testing/cases.h"
 
 namespace {
 using namespace dimattn;
@@ -23,21 +24,16 @@ void BM_SelfAttention(benchmark::State& state) {
   const bool causal = state.range(1) != 0;
   const DType dtype = state.range(2) ? DType::bfloat16 : DType::float32;
   const char* path = kPaths[state.range(3)];
-  Dim batch("batch", 8), heads("heads", 8), time("time", T), feat("feat", 64);
-  const TensorOptions o{.dtype = dtype};
-  Tensor q = random_normal({batch, heads, time, feat}, 1, o);
-  Tensor k = random_normal({batch, heads, time, feat}, 2, o);
-  Tensor v = random_normal({batch, heads, time, feat}, 3, o);
-  AttentionOptions opts{.key_dim = feat, .axis = time};
-  if (causal) opts.causal_query_spatial_dim = time;
+  const testing::AttentionCase c{.dtype = dtype, .kind = testing::Kind::self, .batch = 8, .heads = 8, .seq_q = T,
+                                 .seq_k = T, .head_dim = 64, .head_dim_v = 64, .causal = causal};
+  const testing::Operands ops = testing::make_operands(c);
   ForceKernels force(path);
   for (auto _ : state) {
-    Tensor out = dot_attention(q, k, v, opts);
+    Tensor out = dot_attention(ops.q, ops.k, ops.v, ops.opts);
     benchmark::DoNotOptimize(out.raw());
   }
-  const double flops = 4.0 * 8 * 8 * T * T * 64 * (causal ? 0.5 : 1.0);
-  state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  state.SetLabel(std::string(path) + " -> " + explain_attention(q, k, v, opts).kernel);
+  state.counters["GFLOP/s"] = benchmark::Counter(c.flops() * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(std::string(path) + " -> " + explain_attention(ops.q, ops.k, ops.v, ops.opts).kernel);
 }
 BENCHMARK(BM_SelfAttention)
     ->ArgNames({"T", "causal", "bf16", "path"})
@@ -60,10 +56,10 @@ BENCHMARK(BM_SelectionCacheHit);
 
 // Forming the params of a call (what the fast path does before the lookup).
 void BM_SelectionFromCall(benchmark::State& state) {
-  Dim batch("batch", 8), heads("heads", 8), time("time", 32), feat("feat", 64);
-  Tensor x = random_normal({batch, heads, time, feat}, 1);
-  AttentionOptions opts{.key_dim = feat, .axis = time};
-  for (auto _ : state) benchmark::DoNotOptimize(explain_attention(x, x, x, opts).kernel.size());
+  const testing::Operands ops = testing::make_operands(
+      {.kind = testing::Kind::self, .batch = 8, .heads = 8, .seq_q = 32, .seq_k = 32, .head_dim = 64, .head_dim_v = 64});
+  const Tensor& x = ops.q;  // one tensor as q, k and v, as docs/perf.md's figures were measured
+  for (auto _ : state) benchmark::DoNotOptimize(explain_attention(x, x, x, ops.opts).kernel.size());
 }
 BENCHMARK(BM_SelectionFromCall);
 

@@ -168,24 +168,4 @@ void print_table_header(const std::vector<std::string>& columns) {
   std::fputs(rule.c_str(), stdout);
 }
 
-// ---------------------------------------------------------------------------
-// JSON values
-
-std::string json_str(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    if (static_cast<unsigned char>(c) < 0x20) continue;
-    out += c;
-  }
-  return out + "\"";
-}
-
-std::string json_num(double x) {
-  if (!std::isfinite(x)) return "null";
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.6g", x);
-  return buf;
-}
-
 }  // namespace dimattn::bench

@@ -1,13 +1,15 @@
 #pragma once
 // What the benchmark programs share: clocks and medians (DESIGN.md §9),
 // facts about the machine for the record docs/perf.md keeps, command-line
-// helpers, and markdown-table and JSON output. Plain C++ (no LibTorch), so
-// that any bench program can link it.
+// helpers, and markdown-table and JSON output. No LibTorch, so that any bench
+// program can link it.
 #include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "dimattn/testing/json.h"
 
 namespace dimattn::bench {
 
@@ -68,11 +70,9 @@ void print_table_header(const std::vector<std::string>& columns);
 void print_table_row(const std::vector<std::string>& cells);
 
 // ---------------------------------------------------------------------------
-// JSON values
+// JSON values: the one writer of the tools (dimattn/testing/json.h).
 
-// A JSON string literal; control characters are dropped.
-std::string json_str(const std::string& s);
-// A JSON number with 6 significant digits; null for NaN and infinities.
-std::string json_num(double x);
+using testing::json_number;
+using testing::json_string;
 
 }  // namespace dimattn::bench

@@ -160,12 +160,12 @@ Options parse(int argc, char** argv) {
 // Output shared by the modes
 
 void write_json_header(std::ofstream& f, const RunInfo& info) {
-  f << "{\n  \"command\": " << json_str(info.command) << ",\n  \"cpu\": " << json_str(info.cpu)
-    << ",\n  \"cpu_flags\": " << json_str(info.flags) << ",\n  \"date\": " << json_str(info.date)
-    << ",\n  \"torch\": " << json_str(TORCH_VERSION) << ",\n  \"threads\": " << info.threads
-    << ",\n  \"clock\": " << json_str(info.clock) << ",\n  \"ours_isa\": " << json_str(info.isa) << ",\n  \"ours_pool\": " << json_str(info.pool)
-    << ",\n  \"load_before\": " << json_str(info.load_before) << ",\n  \"load_after\": " << json_str(info.load_after)
-    << ",\n  \"wall_s\": " << json_num(info.wall_s);
+  f << "{\n  \"command\": " << json_string(info.command) << ",\n  \"cpu\": " << json_string(info.cpu)
+    << ",\n  \"cpu_flags\": " << json_string(info.flags) << ",\n  \"date\": " << json_string(info.date)
+    << ",\n  \"torch\": " << json_string(TORCH_VERSION) << ",\n  \"threads\": " << info.threads
+    << ",\n  \"clock\": " << json_string(info.clock) << ",\n  \"ours_isa\": " << json_string(info.isa) << ",\n  \"ours_pool\": " << json_string(info.pool)
+    << ",\n  \"load_before\": " << json_string(info.load_before) << ",\n  \"load_after\": " << json_string(info.load_after)
+    << ",\n  \"wall_s\": " << json_number(info.wall_s);
 }
 
 }  // namespace dimattn::bench::kernel_bench

@@ -251,27 +251,27 @@ void print_table(const std::vector<Row>& rows, const RunInfo& info, bool backwar
 void write_json(const std::string& path, const std::vector<Row>& rows, const RunInfo& info) {
   std::ofstream f(path);
   write_json_header(f, info);
-  f << ",\n  \"gemm\": {\"n\": " << info.gemm_n << ", \"round_n\": " << info.gemm_round_n << ", \"gflops_before\": " << json_num(info.gemm_before)
-    << ", \"gflops_after\": " << json_num(info.gemm_after) << "},\n  \"rows\": [";
+  f << ",\n  \"gemm\": {\"n\": " << info.gemm_n << ", \"round_n\": " << info.gemm_round_n << ", \"gflops_before\": " << json_number(info.gemm_before)
+    << ", \"gflops_after\": " << json_number(info.gemm_after) << "},\n  \"rows\": [";
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
     const double f3 = 3.5 * r.flops_fwd;
-    f << (i ? "," : "") << "\n    {\"dtype\": " << json_str(r.dtype) << ", \"D\": " << r.D << ", \"T\": " << r.T
-      << ", \"causal\": " << (r.causal ? "true" : "false") << ", \"flops_fwd\": " << json_num(r.flops_fwd)
-      << ", \"gemm_gflops\": " << json_num(r.gemm) << ", \"reps\": " << r.reps << ", \"single_runs\": " << json_str(r.single_runs)
-      << ",\n     \"ms\": {\"ours_fwd\": " << json_num(r.ours_fwd * 1e3) << ", \"aten_fwd\": " << json_num(r.aten_fwd * 1e3)
-      << ", \"ref_fwd\": " << json_num(r.ref_fwd * 1e3) << ", \"ours_bwd\": " << json_num(r.ours_bwd * 1e3)
-      << ", \"aten_bwd\": " << json_num(r.aten_bwd * 1e3) << ", \"ref_fwd_bwd\": " << json_num(r.ref_fwdbwd * 1e3)
-      << "},\n     \"gflops\": {\"ours_fwd\": " << json_num(gflops(r.flops_fwd, r.ours_fwd))
-      << ", \"aten_fwd\": " << json_num(gflops(r.flops_fwd, r.aten_fwd))
-      << ", \"ours_bwd\": " << json_num(gflops(2.5 * r.flops_fwd, r.ours_bwd))
-      << ", \"aten_bwd\": " << json_num(gflops(2.5 * r.flops_fwd, r.aten_bwd))
-      << ", \"ours_fwd_bwd\": " << json_num(gflops(f3, r.ours_fwd + r.ours_bwd))
-      << ", \"aten_fwd_bwd\": " << json_num(gflops(f3, r.aten_fwd + r.aten_bwd))
-      << ", \"ref_fwd_bwd\": " << json_num(gflops(f3, r.ref_fwdbwd))
-      << "},\n     \"max_abs_err_out_vs_aten\": " << json_num(r.err_out)
-      << ", \"max_rel_err_grad_vs_aten\": " << json_num(r.err_grad)
-      << ", \"max_abs_err_out_vs_ref\": " << json_num(r.err_ref) << ", \"ok\": " << (r.ok ? "true" : "false") << "}";
+    f << (i ? "," : "") << "\n    {\"dtype\": " << json_string(r.dtype) << ", \"D\": " << r.D << ", \"T\": " << r.T
+      << ", \"causal\": " << (r.causal ? "true" : "false") << ", \"flops_fwd\": " << json_number(r.flops_fwd)
+      << ", \"gemm_gflops\": " << json_number(r.gemm) << ", \"reps\": " << r.reps << ", \"single_runs\": " << json_string(r.single_runs)
+      << ",\n     \"ms\": {\"ours_fwd\": " << json_number(r.ours_fwd * 1e3) << ", \"aten_fwd\": " << json_number(r.aten_fwd * 1e3)
+      << ", \"ref_fwd\": " << json_number(r.ref_fwd * 1e3) << ", \"ours_bwd\": " << json_number(r.ours_bwd * 1e3)
+      << ", \"aten_bwd\": " << json_number(r.aten_bwd * 1e3) << ", \"ref_fwd_bwd\": " << json_number(r.ref_fwdbwd * 1e3)
+      << "},\n     \"gflops\": {\"ours_fwd\": " << json_number(gflops(r.flops_fwd, r.ours_fwd))
+      << ", \"aten_fwd\": " << json_number(gflops(r.flops_fwd, r.aten_fwd))
+      << ", \"ours_bwd\": " << json_number(gflops(2.5 * r.flops_fwd, r.ours_bwd))
+      << ", \"aten_bwd\": " << json_number(gflops(2.5 * r.flops_fwd, r.aten_bwd))
+      << ", \"ours_fwd_bwd\": " << json_number(gflops(f3, r.ours_fwd + r.ours_bwd))
+      << ", \"aten_fwd_bwd\": " << json_number(gflops(f3, r.aten_fwd + r.aten_bwd))
+      << ", \"ref_fwd_bwd\": " << json_number(gflops(f3, r.ref_fwdbwd))
+      << "},\n     \"max_abs_err_out_vs_aten\": " << json_number(r.err_out)
+      << ", \"max_rel_err_grad_vs_aten\": " << json_number(r.err_grad)
+      << ", \"max_abs_err_out_vs_ref\": " << json_number(r.err_ref) << ", \"ok\": " << (r.ok ? "true" : "false") << "}";
   }
   f << "\n  ]\n}\n";
 }

@@ -93,11 +93,11 @@ int memory_mode(const Options& o, RunInfo info) {
     print_table_row({impl == "ours" ? "ours (cpu_flash)" : "ATen CPU flash", strprintf("%.1f MiB", peak / mib),
                      strprintf("%.1f MiB", own / mib), strprintf("%.1f MiB", beyond), beyond < 256 ? "met" : "not met",
                      strprintf("%.1f", t), strprintf("%.1f", flops / t / 1e9)});
-    json_rows += std::string(json_rows.empty() ? "" : ",") + "\n    {\"impl\": " + json_str(impl) +
+    json_rows += std::string(json_rows.empty() ? "" : ",") + "\n    {\"impl\": " + json_string(impl) +
                  ", \"peak_rss_growth_bytes\": " + std::to_string(peak) + ", \"outputs_allocated_bytes\": " +
                  std::to_string(own) + ", \"beyond_inputs_outputs_bytes\": " + std::to_string(peak - own) +
                  ", \"inputs_bytes\": " + std::to_string(inputs) + ", \"outputs_bytes\": " + std::to_string(outputs) +
-                 ", \"seconds\": " + json_num(t) + "}";
+                 ", \"seconds\": " + json_number(t) + "}";
   }
   std::printf("\nInputs q, k, v: %.0f MiB; outputs out + lse: %.0f MiB (created before the peak is reset; ATen "
               "allocates its own outputs inside the call, subtracted in the 'beyond' column).\n",

@@ -1,7 +1,10 @@
 // The dual-implementation harness: every attention case, written once as
-// data, runs on every eligible kernel of every backend and is compared with
-// the reference path — outputs, and gradients of q, k and v: through autograd
-// on the torch backend, through dot_attention_backward on the Eigen backend.
+// data (dimattn/testing/cases.h), runs on every kernel of every device of
+// every backend and is compared with the reference path on that backend and
+// device — outputs, and gradients of q, k and v: through autograd on the
+// torch backend, through dot_attention_backward on the Eigen backend. CUDA
+// runs happen where LibTorch sees a device (scripts/gpu-check); elsewhere
+// they are left out, and the CPU runs of the same cases still happen.
 // It cannot pass vacuously: each case states which kernels must take it (the
 // rule below, derived from the kernels' gates), a rejection by one of those
 // fails, an acceptance by one expected to reject fails (so the rule stays
@@ -23,34 +26,13 @@
 
 namespace dimattn {
 namespace {
+using testing::AttentionCase;
 using testing::error_of;
+using testing::Kind;
 
-struct DualCase {
-  std::string name;
-  DType dtype = DType::float32;
-  int64_t B = 2, H = 2, G = 1, Tq = 5, Tk = 7, D = 8, Dv = 8;
-  bool causal = false;
-  bool self = false;             // axis in the query (Tq == Tk)
-  bool single_step = false;      // query without a spatial dim
-  std::vector<double> lengths;   // kv lengths per batch entry; empty = static
-  // Causal offset (a chunk of Tq steps appended to a history): one value =
-  // a rank-0 offset, else one per batch entry; empty = none.
-  std::vector<double> offsets;
-  bool beam_and_time = false;    // G is a beam dim and the query keeps its time dim
-  double dropout = 0;            // with the train flag on, a fixed seed per run
-  bool broadcast_dropout = false;
-  // > 0: scale chosen so that |q·k·scale| is about this (extreme logits).
-  double logit_scale = 0;
-  // false: outputs only. Open finding: float16 with extreme causal logits,
-  // cpu_flash's and aten_flash_cpu's dq and dk are off by ~50% of max |dq|
-  // against the reference, which float32 runs from the same values match to
-  // 4e-3 (reported with a reproduction; not a tolerance question).
-  bool check_grads = true;
-};
-
-// The CPU kernels each backend's table lists besides the reference
+// The kernels each backend's table lists besides the reference, per device
 // (backends/eigen/eigen_backend.cpp, backends/torch/torch_attention.cpp). A
-// kernel added to a table fails DualKernels.EveryCpuKernelHasExpectations
+// CPU kernel added to a table fails DualKernels.EveryCpuKernelHasExpectations
 // until the rule below covers it.
 const std::map<std::string, std::set<std::string>>& cpu_kernels() {
   static const std::map<std::string, std::set<std::string>> k = {
@@ -58,146 +40,196 @@ const std::map<std::string, std::set<std::string>>& cpu_kernels() {
   return k;
 }
 
-// Which kernels must take a case on a backend; every other CPU kernel of that
-// backend must reject it. From the gates, read as data:
+// Which kernels must take a case on a backend and device. On the CPU every
+// other kernel of that backend must reject it. From the gates, read as data:
 // - cpu_flash (backends/adapters/cpu_flash_path.cpp) takes every CPU case
 //   here: float32, float64, bfloat16 and float16, dropout, offsets, groups.
-// - ATen's kernels (backends/torch/torch_attention.cpp) are never offered
+// - ATen's CPU kernels (backends/torch/torch_attention.cpp) are never offered
 //   dropout (their masks come from ATen's RNG, not the shared Philox stream);
 //   aten_flash_cpu also rejects causal attention with query groups (GQA/beam)
 //   and unequal qk and v head dims.
-std::set<std::string> expected_kernels(const DualCase& c, const std::string& backend) {
-  std::set<std::string> k = {"cpu_flash"};
+// - cuda_flash (backends/adapters/cuda_flash_gate.cpp) takes bfloat16 and
+//   float16 with equal head dims of 64 or 128. ATen's CUDA kernels may take
+//   or reject a case (optional_kernels): their gates are ATen's, not checked
+//   on a device here.
+std::set<std::string> expected_kernels(const AttentionCase& c, const std::string& backend, Device device) {
+  std::set<std::string> k;
+  if (device.type == DeviceType::cuda) {
+    const bool half = c.dtype == DType::bfloat16 || c.dtype == DType::float16;
+    if (half && c.head_dim == c.head_dim_v && (c.head_dim == 64 || c.head_dim == 128)) k.insert("cuda_flash");
+    return k;
+  }
+  k.insert("cpu_flash");
   if (backend == "torch" && c.dropout == 0) {
     k.insert("aten_math");
-    if (!(c.causal && c.G > 1) && c.D == c.Dv) k.insert("aten_flash_cpu");
+    if (!(c.causal && c.groups > 1) && c.head_dim == c.head_dim_v) k.insert("aten_flash_cpu");
   }
   return k;
+}
+
+// Kernels whose acceptance the harness does not assert (but whose results,
+// when they run, it compares like any other).
+bool optional_kernel(const std::string& kernel, Device device) {
+  return device.type == DeviceType::cuda && kernel != "cuda_flash";
 }
 
 // Output tolerance of a case against the reference, before scaling by the
 // compared values' magnitude (testing::tolerance_at_scale: values grow, e.g.
 // by 1/(1-p) with dropout, and 16-bit rounding with them). Unit-normal
-// logits: reference_tolerance (DESIGN.md §6); gradients twice that. Extreme logits (logit scale L, i.e.
-// |q·k·scale| ~ L): a kernel and the reference sum q·k in different orders,
-// so their logits differ by ~ eps·L at the compute precision (float32 for
-// 16-bit and float32 inputs, float64 for float64), and the softmax passes a
-// logit difference δ to the output as at most ~2·max|v|·δ. So the tolerance
-// grows with L: the dtype's own tolerance (the output's rounding) plus L
-// times the compute precision's tolerance at unit logits.
-double output_tolerance(const DualCase& c) {
+// logits: reference_tolerance (DESIGN.md §6). Extreme logits (logit scale L,
+// i.e. |q·k·scale| ~ L): a kernel and the reference sum q·k in different
+// orders, so their logits differ by ~ eps·L at the compute precision
+// (float32 for 16-bit and float32 inputs, float64 for float64), and the
+// softmax passes a logit difference δ to the output as at most ~2·max|v|·δ.
+// So the tolerance grows with L: the dtype's own tolerance (the output's
+// rounding) plus L times the compute precision's tolerance at unit logits.
+double output_tolerance(const AttentionCase& c) {
   const double tol = reference_tolerance(c.dtype);
-  if (c.logit_scale <= 1) return tol;
+  const double L = c.logit_scale();
+  if (L <= 1) return tol;
   const DType compute = c.dtype == DType::float64 ? DType::float64 : DType::float32;
-  return tol + c.logit_scale * reference_tolerance(compute);
+  return tol + L * reference_tolerance(compute);
 }
 
-std::vector<DualCase> cases() {
-  std::vector<DualCase> out;
+// Gradient tolerance (before scaling by the compared values' magnitude):
+// twice the output's, and for dq and dk (i = 0, 1) also scale · u, u the
+// dtype's unit roundoff. A fused backward keeps some unit-size quantities of
+// dS in the input dtype (e.g. the output it reads back for rowsum(dO · O)),
+// and dq = scale · dS · K, dk = scale · dSᵀ · Q carry the softmax scale, so
+// one rounding reaches them as scale · u. At extreme logits that dominates:
+// float16 with |q·k·scale| ~ 1e4 (scale ~3.5e3) gives dq, dk off by 1.2 and
+// 2.6 at max |dq| 2.4 for cpu_flash and ATen's CPU flash kernel alike
+// (float32 from the same values: 6e-3). Equivalently, one rounding of q or k
+// moves a logit by δ = L · u, i.e. scale · u = δ / |q| with |q| ~ sqrt(D).
+// docs/numerics.md has the rule.
+double gradient_tolerance(const AttentionCase& c, size_t i) {
+  const double t = 2 * output_tolerance(c);
+  return i < 2 ? t + std::abs(c.softmax_scale()) * unit_roundoff(c.dtype) : t;
+}
+
+// The cases first written for the CPU kernels, in four dtypes.
+void add_cpu_cases(std::vector<AttentionCase>& out) {
+  // |q·k·scale| ~ 1e4 for unit-normal q, k with D = 8 (q·k ~ sqrt(8)).
+  const double extreme = 1e4 / std::sqrt(8.0);
   for (DType dt : {DType::float32, DType::float64, DType::bfloat16, DType::float16}) {
     const std::string s = std::string("_") + dtype_name(dt);
-    out.push_back({.name = "self" + s, .dtype = dt, .Tq = 9, .Tk = 9, .self = true});
-    out.push_back({.name = "causal" + s, .dtype = dt, .Tq = 9, .Tk = 9, .causal = true, .self = true});
+    out.push_back({.name = "self" + s, .dtype = dt, .kind = Kind::self, .seq_q = 9, .seq_k = 9});
+    out.push_back({.name = "causal" + s, .dtype = dt, .kind = Kind::self, .seq_q = 9, .seq_k = 9, .causal = true});
     out.push_back({.name = "cross_lengths" + s, .dtype = dt, .lengths = {7, 3}});
-    out.push_back({.name = "causal_lengths" + s, .dtype = dt, .Tq = 7, .Tk = 7, .causal = true, .self = true,
-                   .lengths = {7, 4}});
+    out.push_back({.name = "causal_lengths" + s, .dtype = dt, .kind = Kind::self, .seq_q = 7, .seq_k = 7,
+                   .causal = true, .lengths = {7, 4}});
     // A chunk of 4 steps appended to a history of 5: query i sees kv <= i + 5.
-    out.push_back({.name = "causal_offset" + s, .dtype = dt, .Tq = 4, .Tk = 9, .causal = true, .offsets = {5}});
+    out.push_back({.name = "causal_offset" + s, .dtype = dt, .seq_q = 4, .seq_k = 9, .causal = true, .offsets = {5}});
     // Per-batch histories (5 and 2 steps) in one padded kv buffer.
-    out.push_back({.name = "causal_offset_per_batch" + s, .dtype = dt, .Tq = 4, .Tk = 9, .causal = true,
+    out.push_back({.name = "causal_offset_per_batch" + s, .dtype = dt, .seq_q = 4, .seq_k = 9, .causal = true,
                    .lengths = {9, 6}, .offsets = {5, 2}});
     // A negative offset leaves the first query rows without any kv position.
-    out.push_back({.name = "causal_offset_negative" + s, .dtype = dt, .Tq = 4, .Tk = 9, .causal = true,
+    out.push_back({.name = "causal_offset_negative" + s, .dtype = dt, .seq_q = 4, .seq_k = 9, .causal = true,
                    .offsets = {5, -2}});
-    out.push_back({.name = "gqa_causal_offset" + s, .dtype = dt, .H = 2, .G = 2, .Tq = 3, .Tk = 8, .causal = true,
+    out.push_back({.name = "gqa_causal_offset" + s, .dtype = dt, .groups = 2, .seq_q = 3, .seq_k = 8, .causal = true,
                    .lengths = {8, 6}, .offsets = {5, 3}});
-    out.push_back({.name = "gqa" + s, .dtype = dt, .H = 2, .G = 4, .Tq = 6, .Tk = 6});
-    out.push_back({.name = "gqa_causal" + s, .dtype = dt, .H = 2, .G = 4, .Tq = 6, .Tk = 6, .causal = true});
-    out.push_back({.name = "gqa_causal_lengths" + s, .dtype = dt, .H = 2, .G = 2, .Tq = 6, .Tk = 6, .causal = true,
-                   .self = true, .lengths = {6, 3}});
-    out.push_back({.name = "mqa" + s, .dtype = dt, .H = 1, .G = 8, .Tq = 5, .Tk = 9});
-    out.push_back({.name = "beam_cross" + s, .dtype = dt, .G = 3, .Tq = 4, .lengths = {7, 5}, .beam_and_time = true});
-    out.push_back({.name = "single_step" + s, .dtype = dt, .Tq = 1, .single_step = true, .lengths = {7, 2}});
-    out.push_back({.name = "dropout" + s, .dtype = dt, .Tq = 9, .Tk = 9, .causal = true, .self = true,
+    out.push_back({.name = "gqa" + s, .dtype = dt, .groups = 4, .seq_q = 6, .seq_k = 6});
+    out.push_back({.name = "gqa_causal" + s, .dtype = dt, .groups = 4, .seq_q = 6, .seq_k = 6, .causal = true});
+    out.push_back({.name = "gqa_causal_lengths" + s, .dtype = dt, .kind = Kind::self, .groups = 2, .seq_q = 6,
+                   .seq_k = 6, .causal = true, .lengths = {6, 3}});
+    out.push_back({.name = "mqa" + s, .dtype = dt, .heads = 1, .groups = 8, .seq_q = 5, .seq_k = 9});
+    out.push_back({.name = "beam_cross" + s, .dtype = dt, .groups = 3, .group_name = "beam", .seq_q = 4,
+                   .lengths = {7, 5}});
+    out.push_back({.name = "single_step" + s, .dtype = dt, .kind = Kind::step, .seq_q = 1, .lengths = {7, 2}});
+    out.push_back({.name = "dropout" + s, .dtype = dt, .kind = Kind::self, .seq_q = 9, .seq_k = 9, .causal = true,
                    .lengths = {9, 5}, .dropout = 0.3});
-    out.push_back({.name = "dropout_gqa" + s, .dtype = dt, .G = 2, .Tq = 6, .Tk = 6, .dropout = 0.2});
-    out.push_back({.name = "dropout_causal_offset" + s, .dtype = dt, .Tq = 4, .Tk = 9, .causal = true,
+    out.push_back({.name = "dropout_gqa" + s, .dtype = dt, .groups = 2, .seq_q = 6, .seq_k = 6, .dropout = 0.2});
+    out.push_back({.name = "dropout_causal_offset" + s, .dtype = dt, .seq_q = 4, .seq_k = 9, .causal = true,
                    .offsets = {5, 3}, .dropout = 0.25});
     out.push_back({.name = "broadcast_dropout" + s, .dtype = dt, .lengths = {7, 4}, .dropout = 0.5,
                    .broadcast_dropout = true});
     // Rates other than 0.5: at 0.5 a kept weight's scale 1/(1-p) equals 1/p.
     for (const auto& [rate, tag] : {std::pair{0.1, "p01"}, std::pair{0.9, "p09"}}) {
-      out.push_back({.name = std::string("dropout_") + tag + s, .dtype = dt, .Tq = 9, .Tk = 9, .causal = true,
-                     .self = true, .lengths = {9, 6}, .dropout = rate});
-      out.push_back({.name = std::string("broadcast_dropout_") + tag + s, .dtype = dt, .G = 2, .lengths = {7, 4},
+      out.push_back({.name = std::string("dropout_") + tag + s, .dtype = dt, .kind = Kind::self, .seq_q = 9,
+                     .seq_k = 9, .causal = true, .lengths = {9, 6}, .dropout = rate});
+      out.push_back({.name = std::string("broadcast_dropout_") + tag + s, .dtype = dt, .groups = 2, .lengths = {7, 4},
                      .dropout = rate, .broadcast_dropout = true});
     }
     // |q·k·scale| ~ 1e4: the online softmax must subtract the running max
-    // (exp overflows otherwise) and rescale exactly when it grows.
-    out.push_back({.name = "extreme_logits" + s, .dtype = dt, .Tq = 9, .Tk = 33, .lengths = {33, 20},
-                   .logit_scale = 1e4});
-    // float16 gradients are not compared here: with scale ~3.5e3 the fused
-    // backward's 16-bit rounding of dS is multiplied by the scale (dq, dk off
-    // by ~1.2 and ~2.6 of max |dq| 2.4 for cpu_flash and ATen's own CPU flash
-    // kernel alike; float32 inputs with the same values agree to 4e-3). A
-    // tolerance that follows the logit scale for gradients is open work
-    // (issue 12 note); the outputs are compared.
-    out.push_back({.name = "extreme_logits_causal" + s, .dtype = dt, .Tq = 33, .Tk = 33, .causal = true,
-                   .self = true, .logit_scale = 1e4, .check_grads = dt != DType::float16});
+    // (exp overflows otherwise) and rescale exactly when it grows. Gradients
+    // are held to gradient_tolerance, which grows with the scale.
+    out.push_back({.name = "extreme_logits" + s, .dtype = dt, .seq_q = 9, .seq_k = 33, .lengths = {33, 20},
+                   .scale = extreme});
+    out.push_back({.name = "extreme_logits_causal" + s, .dtype = dt, .kind = Kind::self, .seq_q = 33, .seq_k = 33,
+                   .causal = true, .scale = extreme});
   }
-  out.push_back({.name = "t1", .Tq = 1, .Tk = 1});
-  out.push_back({.name = "odd_head_dims", .D = 5, .Dv = 3});
-  out.push_back({.name = "d128", .B = 1, .H = 2, .Tq = 16, .Tk = 16, .D = 128, .Dv = 128, .causal = true, .self = true});
+  out.push_back({.name = "t1", .seq_q = 1, .seq_k = 1});
+  out.push_back({.name = "odd_head_dims", .head_dim = 5, .head_dim_v = 3});
+  out.push_back({.name = "d128", .kind = Kind::self, .batch = 1, .seq_q = 16, .seq_k = 16, .head_dim = 128,
+                 .head_dim_v = 128, .causal = true});
   out.push_back({.name = "empty_entry", .lengths = {0, 7}});
   // Long: 8192 kv positions, many blocks past one tile, kept cheap: one entry,
   // one head, D = 8, and the last 256 queries of the sequence (causal offset
   // 7936), so that the reference materialises 256 x 8192 weights, not 8192^2
   // (a full 8192 x 8192 causal case took 40 s here).
-  out.push_back({.name = "t8192_causal_chunk", .B = 1, .H = 1, .Tq = 256, .Tk = 8192, .D = 8, .Dv = 8,
-                 .causal = true, .offsets = {7936}});
+  out.push_back({.name = "t8192_causal_chunk", .batch = 1, .heads = 1, .seq_q = 256, .seq_k = 8192, .causal = true,
+                 .offsets = {7936}});
+}
+
+// The cases first written for cuda_flash: its dtypes and head dims at sizes
+// past one tile (64 and 128 rows); they run on the CPU kernels as well.
+void add_cuda_cases(std::vector<AttentionCase>& out) {
+  for (DType dt : {DType::bfloat16, DType::float16})
+    for (int64_t D : {64, 128}) {
+      const std::string s = std::string("_") + dtype_name(dt) + "_d" + std::to_string(D);
+      const AttentionCase base{.dtype = dt, .seq_q = 100, .seq_k = 130, .head_dim = D, .head_dim_v = D};
+      auto with = [&](AttentionCase c, const std::string& name) {
+        c.name = name + s;
+        return c;
+      };
+      AttentionCase c = base;
+      out.push_back(with(c, "cross"));
+      c = base, c.kind = Kind::self, c.seq_q = 130, c.causal = true;
+      out.push_back(with(c, "causal_self"));
+      c = base, c.lengths = {130, 41};
+      out.push_back(with(c, "lengths"));
+      c = base, c.causal = true, c.offsets = {30, -3};
+      out.push_back(with(c, "causal_offset"));
+      c = base, c.kind = Kind::self, c.groups = 4, c.seq_q = 130, c.causal = true, c.lengths = {130, 77};
+      out.push_back(with(c, "gqa_causal_lengths"));
+      c = base, c.heads = 1, c.groups = 8;
+      out.push_back(with(c, "mqa"));
+      c = base, c.kind = Kind::self, c.seq_q = 130, c.causal = true, c.lengths = {130, 90}, c.dropout = 0.3;
+      out.push_back(with(c, "dropout"));
+      c = base, c.groups = 2, c.dropout = 0.2;
+      out.push_back(with(c, "dropout_gqa"));
+      c = base, c.lengths = {120, 9}, c.dropout = 0.5, c.broadcast_dropout = true;
+      out.push_back(with(c, "broadcast_dropout"));
+    }
+}
+
+std::vector<AttentionCase> cpu_cases() {
+  std::vector<AttentionCase> out;
+  add_cpu_cases(out);
   return out;
 }
 
-// The named operands of a case: drawn once (on the first registered backend)
-// and moved to each backend, so that every backend computes from the same
-// values and the Eigen backend's gradients can be checked against the torch
-// backend's reference.
-struct Operands {
-  Tensor q, k, v;
+std::vector<AttentionCase> cuda_cases() {
+  std::vector<AttentionCase> out;
+  add_cuda_cases(out);
+  return out;
+}
+
+// A case's operands and the upstream gradient: drawn once on the CPU (on the
+// first registered backend) and moved to each backend, so that every backend
+// computes from the same values and the Eigen backend's gradients can be
+// checked against the torch backend's reference; drawn on the device for
+// CUDA runs (compared with the reference there).
+struct Operands : testing::Operands {
   Tensor w;  // upstream gradient over out_order, 0 on padded query rows
-  AttentionOptions opts;
-  Dims out_order;
 };
 
-Operands make_operands(const DualCase& c) {
-  const std::string backend = backend_names().front();
-  const TensorOptions o{.dtype = c.dtype, .backend = backend};
-  const TensorOptions ints{.dtype = DType::int64, .backend = backend};
-  Dim batch("batch", c.B), heads("kv_heads", c.H), group(c.beam_and_time ? "beam" : "group", c.G);
-  Dim feat("feat", c.D), vfeat("vfeat", c.Dv);
-  Dim kv = c.lengths.empty() ? Dim("kv", c.Tk) : Dim::dynamic("kv", from_host({batch}, c.lengths, ints), c.Tk);
-  Dim time = c.self ? kv : Dim("time", c.Tq);
-  Dims qd = {batch, heads};
-  if (c.G > 1) qd.push_back(group);
-  if (!c.single_step) qd.push_back(time);
-  qd.push_back(feat);
-  Dims out_order;
-  for (const Dim& d : qd)
-    if (d != feat) out_order.push_back(d);
-  out_order.push_back(vfeat);
-  // Padded query rows carry no meaning (docs/numerics.md): no gradient flows from them.
-  Tensor w = random_normal(out_order, 99, o);
-  if (time.is_dynamic()) w = where(sequence_mask(time, o), w, 0.0);
-  Operands ops{random_normal(qd, 1, o), random_normal({batch, heads, kv, feat}, 2, o),
-               random_normal({batch, heads, kv, vfeat}, 3, o), w, {.key_dim = feat, .axis = kv}, out_order};
-  if (c.causal) ops.opts.causal_query_spatial_dim = time;
-  if (c.offsets.size() == 1) ops.opts.causal_offset = scalar(c.offsets[0], ints);
-  if (c.offsets.size() > 1) ops.opts.causal_offset = from_host({batch}, c.offsets, ints);
-  ops.opts.att_dropout = c.dropout;
-  ops.opts.att_dropout_broadcast = c.broadcast_dropout;
-  // q·k of unit-normal q, k has standard deviation sqrt(D).
-  if (c.logit_scale > 0) ops.opts.scale = c.logit_scale / std::sqrt(static_cast<double>(c.D));
-  return ops;
+Operands make_operands(AttentionCase c, const std::string& backend, Device device) {
+  c.backend = backend;
+  c.device = device;
+  testing::Operands ops = testing::make_operands(c);
+  Tensor w = testing::upstream_gradient(c, ops);
+  return {std::move(ops), std::move(w)};
 }
 
 Operands on_backend(Operands ops, const std::string& backend) {
@@ -217,10 +249,9 @@ Tensor fresh_leaf(const Tensor& x) {
   return from_host(x.dims(), to_host(x), {.dtype = x.dtype(), .device = x.device(), .backend = x.backend().name()});
 }
 
-RunResult run(Operands ops, const std::string& force, bool with_grads) {
+RunResult run(Operands ops, const std::string& force) {
   ForceKernels guard(force);
-  Backend& be = ops.q.backend();
-  const bool grad = with_grads && be.has_autograd();
+  const bool grad = ops.q.backend().has_autograd();
   if (grad)
     for (Tensor* t : {&ops.q, &ops.k, &ops.v}) *t = fresh_leaf(*t).requires_grad(true);
   // Every run draws the same dropout seed, so kernels and the reference must
@@ -277,80 +308,90 @@ void expect_grads_match_finite_differences(const std::string& name, const Operan
   }
 }
 
-class Dual : public ::testing::TestWithParam<DualCase> {};
+bool torch_cuda_available() { return has_backend("torch") && get_backend("torch").supports(kCUDA); }
+
+class Dual : public ::testing::TestWithParam<AttentionCase> {};
 
 TEST_P(Dual, EveryKernelAgreesWithTheReference) {
-  const DualCase& c = GetParam();
-  const Operands source = make_operands(c);
+  const AttentionCase& c = GetParam();
+  ASSERT_FALSE(testing::invalid_reason(c)) << c.name << ": " << *testing::invalid_reason(c);
+  const Operands source = make_operands(c, backend_names().front(), kCPU);
   const double tol = output_tolerance(c);
-  // The reference on the torch backend: also the Eigen backend's gradients' reference.
+  // The reference on the torch backend's CPU: also the Eigen backend's gradients' reference.
   std::optional<RunResult> torch_ref;
-  if (has_backend("torch")) torch_ref = run(on_backend(source, "torch"), kReferenceKernel, c.check_grads);
+  if (has_backend("torch")) torch_ref = run(on_backend(source, "torch"), kReferenceKernel);
+  static std::once_flag no_cuda_note;
+  if (!torch_cuda_available())
+    std::call_once(no_cuda_note, [] { std::cout << "[ dual ] LibTorch sees no CUDA device: CPU runs only\n"; });
 
-  // "backend/kernel" for each run, "backend/kernel/grads" for each gradient check.
+  // "backend/kernel[@cuda]" for each run, ".../grads" for each gradient check.
   std::set<std::string> expected_runs, runs;
   for (const std::string& backend : backend_names()) {
     ASSERT_TRUE(cpu_kernels().count(backend)) << "backend '" << backend << "' has no expectations here";
-    const std::set<std::string> accepts = expected_kernels(c, backend);
     const bool autograd = get_backend(backend).has_autograd();
-    for (const std::string& k : accepts) {
-      expected_runs.insert(backend + "/" + k);
-      // Gradients: through autograd, or dot_attention_backward (cpu_flash)
-      // against the torch backend's reference and float64 finite differences.
-      if (!c.check_grads) continue;
-      if (autograd || (k == "cpu_flash" && torch_ref)) expected_runs.insert(backend + "/" + k + "/grads");
-      if (!autograd && k == "cpu_flash" && c.dtype == DType::float64 && c.logit_scale == 0)
-        expected_runs.insert(backend + "/" + k + "/finite_differences");
-    }
-    const Operands ops = on_backend(source, backend);
-    const RunResult ref = backend == "torch" ? *torch_ref : run(ops, kReferenceKernel, c.check_grads);
-    for (const std::string& kernel : get_backend(backend).attention_kernels(kCPU)) {
-      if (kernel == kReferenceKernel) continue;
-      const std::string where = c.name + " " + backend + "/" + kernel;
-      std::optional<RunResult> got;
-      const std::string err = error_of([&] { got = run(ops, kernel, c.check_grads); });
-      if (!err.empty()) {
-        EXPECT_NE(err.find("[dot_attention]"), std::string::npos) << err;
-        // The kernel's own reason, from the decision with it first in line.
-        std::string reason = err;
-        {
-          ForceKernels force(kernel + ",reference");
-          TrainFlagScope train(ops.opts.att_dropout > 0);
-          for (const Rejection& r : explain_attention(ops.q, ops.k, ops.v, ops.opts).rejected)
-            if (r.kernel == kernel) reason = r.reason;
-        }
-        EXPECT_FALSE(reason.empty()) << where;
-        EXPECT_FALSE(accepts.count(kernel)) << where << " must take this case but rejected it: " << reason;
-        std::cout << "[ dual ] " << where << ": rejected: " << reason << "\n";
-        continue;
+    for (const Device device : {kCPU, kCUDA}) {
+      if (!get_backend(backend).supports(device)) continue;
+      const bool cpu = device == kCPU;
+      const std::string at = cpu ? "" : "@" + device_name(device);
+      const std::set<std::string> accepts = expected_kernels(c, backend, device);
+      for (const std::string& k : accepts) {
+        expected_runs.insert(backend + "/" + k + at);
+        // Gradients: through autograd, or dot_attention_backward (cpu_flash)
+        // against the torch backend's reference and float64 finite differences.
+        if (autograd || (k == "cpu_flash" && torch_ref)) expected_runs.insert(backend + "/" + k + at + "/grads");
+        if (!autograd && k == "cpu_flash" && c.dtype == DType::float64 && c.logit_scale() == 1)
+          expected_runs.insert(backend + "/" + k + "/finite_differences");
       }
-      EXPECT_TRUE(accepts.count(kernel)) << where << " took a case its gate should reject (see expected_kernels)";
-      runs.insert(backend + "/" + kernel);
-      const double e = testing::max_abs_diff(got->out, ref.out, ops.out_order);
-      std::cout << "[ dual ] " << where << ": max abs err " << e;
-      EXPECT_LE(e, testing::tolerance_at_scale(tol, ref.out)) << where;
-      auto expect_grads_close = [&](const std::vector<Tensor>& grads, const std::vector<Tensor>& want) {
-        for (size_t i = 0; i < grads.size(); ++i) {
-          const double ge = testing::max_abs_diff(grads[i], want[i], grads[i].dims());
-          std::cout << ", d" << "qkv"[i] << " " << ge;
-          EXPECT_LE(ge, testing::tolerance_at_scale(2 * tol, want[i])) << where << " grad of " << "qkv"[i];
+      const Operands ops = cpu ? on_backend(source, backend) : make_operands(c, backend, device);
+      const RunResult ref = cpu && backend == "torch" ? *torch_ref : run(ops, kReferenceKernel);
+      for (const std::string& kernel : get_backend(backend).attention_kernels(device)) {
+        if (kernel == kReferenceKernel) continue;
+        const std::string run_name = backend + "/" + kernel + at;
+        const std::string where = c.name + " " + run_name;
+        std::optional<RunResult> got;
+        const std::string err = error_of([&] { got = run(ops, kernel); });
+        if (!err.empty()) {
+          EXPECT_NE(err.find("[dot_attention]"), std::string::npos) << err;
+          // The kernel's own reason, from the decision with it first in line.
+          std::string reason = err;
+          {
+            TrainFlagScope train(ops.opts.att_dropout > 0);
+            reason = testing::rejection(ops, kernel).value_or(err);
+          }
+          EXPECT_FALSE(reason.empty()) << where;
+          EXPECT_FALSE(accepts.count(kernel)) << where << " must take this case but rejected it: " << reason;
+          std::cout << "[ dual ] " << where << ": rejected: " << reason << "\n";
+          continue;
         }
-        runs.insert(backend + "/" + kernel + "/grads");
-      };
-      if (!c.check_grads) {
-      } else if (!got->grads.empty()) {
-        expect_grads_close(got->grads, ref.grads);
-      } else if (kernel == "cpu_flash") {
-        // No autograd: dot_attention_backward, against the torch backend's
-        // reference from the same values, and (float64) finite differences.
-        const std::vector<Tensor> grads = backward_grads(ops);
-        if (torch_ref) expect_grads_close(grads, torch_ref->grads);
-        if (c.dtype == DType::float64 && c.logit_scale == 0) {
-          expect_grads_match_finite_differences(where, ops, grads);
-          runs.insert(backend + "/" + kernel + "/finite_differences");
+        EXPECT_TRUE(accepts.count(kernel) || optional_kernel(kernel, device))
+            << where << " took a case its gate should reject (see expected_kernels)";
+        if (accepts.count(kernel)) runs.insert(run_name);
+        const double e = testing::max_abs_diff(got->out, ref.out, ops.out_order);
+        std::cout << "[ dual ] " << where << ": max abs err " << e;
+        EXPECT_LE(e, testing::tolerance_at_scale(tol, ref.out)) << where;
+        auto expect_grads_close = [&](const std::vector<Tensor>& grads, const std::vector<Tensor>& want) {
+          for (size_t i = 0; i < grads.size(); ++i) {
+            const double ge = testing::max_abs_diff(grads[i], want[i], grads[i].dims());
+            std::cout << ", d" << "qkv"[i] << " " << ge;
+            EXPECT_LE(ge, testing::tolerance_at_scale(gradient_tolerance(c, i), want[i]))
+                << where << " grad of " << "qkv"[i];
+          }
+          if (accepts.count(kernel)) runs.insert(run_name + "/grads");
+        };
+        if (!got->grads.empty()) {
+          expect_grads_close(got->grads, ref.grads);
+        } else if (kernel == "cpu_flash") {
+          // No autograd: dot_attention_backward, against the torch backend's
+          // reference from the same values, and (float64) finite differences.
+          const std::vector<Tensor> grads = backward_grads(ops);
+          if (torch_ref) expect_grads_close(grads, torch_ref->grads);
+          if (c.dtype == DType::float64 && c.logit_scale() == 1) {
+            expect_grads_match_finite_differences(where, ops, grads);
+            runs.insert(run_name + "/finite_differences");
+          }
         }
+        std::cout << "\n";
       }
-      std::cout << "\n";
     }
   }
   EXPECT_EQ(runs, expected_runs) << c.name << ": the runs and gradient checks that happened, and those expected";
@@ -368,8 +409,36 @@ TEST(DualKernels, EveryCpuKernelHasExpectations) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, Dual, ::testing::ValuesIn(cases()),
-                         [](const ::testing::TestParamInfo<DualCase>& i) { return i.param.name; });
+std::string case_name(const ::testing::TestParamInfo<AttentionCase>& i) { return i.param.name; }
+
+// One harness, two instantiations: the prefix CudaDual keeps the cuda_flash
+// cases selectable as scripts/gpu-check selects them ('*CudaDual*').
+INSTANTIATE_TEST_SUITE_P(Cases, Dual, ::testing::ValuesIn(cpu_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(CudaDual, Dual, ::testing::ValuesIn(cuda_cases()), case_name);
+
+// q, k, v as views of one packed [T, B, 3, H, D] buffer reach cuda_flash
+// without a copy.
+TEST(CudaDualLayouts, PackedQkvIsZeroCopy) {
+  if (!torch_cuda_available()) GTEST_SKIP() << "LibTorch sees no CUDA device";
+  Dim time("time", 256), batch("batch", 2), three("qkv", 3), heads("heads", 4), feat("feat", 64);
+  Dim one("one", 1);
+  Tensor buffer = random_normal({time, batch, three, heads, feat}, 7,
+                                {.dtype = DType::bfloat16, .device = kCUDA, .backend = "torch"});
+  Tensor q = slice(buffer, three, 0, 1, one).first;
+  Tensor k = slice(buffer, three, 1, 2, one).first;
+  Tensor v = slice(buffer, three, 2, 3, one).first;
+  AttentionOptions o{.key_dim = feat, .axis = time, .causal_query_spatial_dim = time};
+  ForceKernels force("cuda_flash");
+  const uint64_t copies_before = selection_stats().layout_copies;
+  Tensor fast = dot_attention(q, k, v, o);
+  EXPECT_EQ(selection_stats().layout_copies, copies_before) << "q, k and v reach the kernel as views";
+  Tensor ref = [&] {
+    ForceKernels ref_force("reference");
+    return dot_attention(q, k, v, o);
+  }();
+  EXPECT_LE(testing::max_abs_diff(fast, ref, {time, batch, one, heads, feat}),
+            reference_tolerance(DType::bfloat16));
+}
 
 // q, k and v split from one fused [T, B, Hq + 2*Hkv, D] buffer (GQA, 16 query
 // heads, one kv head): a kernel that took the layout from a label rather than

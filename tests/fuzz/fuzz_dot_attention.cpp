@@ -33,6 +33,7 @@
 #include "dimattn/ext/backend.h"
 #include "dimattn/registry.h"
 #include "dimattn/run_context.h"
+#include "dimattn/testing/cases.h"
 #include "dimattn/trace.h"
 
 using namespace dimattn;
@@ -66,13 +67,6 @@ struct Host {
     return data[static_cast<size_t>(off)];
   }
 };
-
-bool same_set(const Dims& a, const Dims& b) {
-  if (a.size() != b.size()) return false;
-  for (const Dim& d : a)
-    if (!contains(b, d)) return false;
-  return true;
-}
 
 void add_unique(Dims& out, const Dims& in, const Dims& skip) {
   for (const Dim& d : in)
@@ -231,12 +225,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                      std::to_string(mode) + " low_limit " + std::to_string(low_limit);
     };
 
-    // Integer operands: made as floats, then cast (random_normal takes floats only).
-    auto make = [&](const Dims& dims, uint64_t seed, DType t) {
-      const Tensor x = random_normal(dims, seed, {.dtype = is_floating(t) ? t : DType::float32, .backend = be});
-      return is_floating(t) ? x : cast(x, t);
-    };
-    const Tensor q = make(qd, 1, dt), k = make(kd, 2, dt), v = make(vd, 3, vdt);
+    // Any dims, any dtype (integer operands drawn as floats and cast): the
+    // case library's operand builder.
+    const Tensor q = testing::random_operand(qd, 1, dt, be), k = testing::random_operand(kd, 2, dt, be),
+                 v = testing::random_operand(vd, 3, vdt, be);
 
     // --- the call ---
     TrainFlagScope train_scope(train);
@@ -270,7 +262,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       const Tensor* ins[] = {&q, &k, &v};
       const Tensor* gs[] = {&g.query, &g.keys, &g.values};
       for (int i = 0; i < 3; ++i) {
-        if (!same_set(gs[i]->dims(), ins[i]->dims()))
+        if (!testing::same_dims(gs[i]->dims(), ins[i]->dims()))
           fail("gradient dims " + repr(gs[i]->dims()) + " differ from the input's " + repr(ins[i]->dims()));
         for (double x : to_host(*gs[i]))
           if (!std::isfinite(x)) fail("a gradient is not finite for finite inputs");
@@ -282,14 +274,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     add_unique(expected, vd, {o.axis});
     add_unique(expected, qd, {o.key_dim});
     add_unique(expected, kd, {o.axis, o.key_dim});
-    if (!same_set(out->dims(), expected))
+    if (!testing::same_dims(out->dims(), expected))
       fail("result dims " + repr(out->dims()) + " are not the contract's " + repr(expected));
     if (out->dtype() != dt) fail(std::string("result dtype ") + dtype_name(out->dtype()) + " is not the query's");
 
     if (trace) {
       if (trace->records().size() != 1) fail("trace scope holds " + std::to_string(trace->records().size()) + " records");
       const AttentionTrace& r = trace->records()[0];
-      if (!same_set(r.output.dims(), out->dims())) fail("traced output dims differ from the result's");
+      if (!testing::same_dims(r.output.dims(), out->dims())) fail("traced output dims differ from the result's");
       if (mode == 1 && (r.kernel != "reference" || !r.energy || !r.att_weights))
         fail("a capturing trace did not record the reference path's energy and weights");
       if (mode == 2 && (r.energy || r.att_weights)) fail("a non-capturing trace recorded tensors");

@@ -14,6 +14,7 @@
 #include "dimattn/ops.h"
 #include "dimattn/ext/backend.h"
 #include "dimattn/registry.h"
+#include "dimattn/testing/cases.h"
 
 namespace dimattn::testing {
 
@@ -23,40 +24,17 @@ namespace dimattn::testing {
 // Where values are large the rule is relative to their scale (DESIGN.md §6):
 // tol · max(1, max |want|).
 inline double gradient_tolerance(DType d) { return 2 * reference_tolerance(d); }
-inline double tolerance_at_scale(double tol, const Tensor& want) {
-  double m = 1;
-  for (double x : to_host(want, want.dims()))
-    if (std::isfinite(x)) m = std::max(m, std::abs(x));
-  return tol * m;
-}
+inline double tolerance_at_scale(double tol, const Tensor& want) { return tol * std::max(1.0, max_abs(want)); }
 
 // Test-name suffix for a backend parameter.
 inline std::string backend_param_name(const ::testing::TestParamInfo<std::string>& info) { return info.param; }
 
-// Largest |a - b| after bringing both to `order`; NaN anywhere gives +inf.
-inline double max_abs_diff(const Tensor& a, const Tensor& b, const Dims& order) {
-  std::vector<double> x = to_host(a, order), y = to_host(b, order);
-  EXPECT_EQ(x.size(), y.size());
-  double m = 0;
-  for (size_t i = 0; i < std::min(x.size(), y.size()); ++i) {
-    if (std::isnan(x[i]) || std::isnan(y[i])) return INFINITY;
-    m = std::max(m, std::abs(x[i] - y[i]));
-  }
-  return m;
-}
+// max_abs_diff, max_abs, same_dims: dimattn/testing/cases.h (the case library).
 
 inline bool any_nan(const Tensor& t) {
   for (double v : to_host(t))
     if (std::isnan(v)) return true;
   return false;
-}
-
-// Same set of dims, any order.
-inline bool same_dims(const Dims& a, const Dims& b) {
-  if (a.size() != b.size()) return false;
-  for (const Dim& d : a)
-    if (!contains(b, d)) return false;
-  return true;
 }
 
 // The message of the dimattn::Error that f throws ("" if none is thrown).

@@ -16,4 +16,17 @@ inline double reference_tolerance(DType d) {
   }
 }
 
+// Unit roundoff u of a floating dtype: the largest relative error of one
+// rounding to it (2^-p for a p-bit significand, its hidden bit counted once).
+// The dual harness's gradient tolerance grows by scale · u (docs/numerics.md).
+inline double unit_roundoff(DType d) {
+  switch (d) {
+    case DType::float64: return 0x1p-53;
+    case DType::float32: return 0x1p-24;
+    case DType::bfloat16: return 0x1p-8;
+    case DType::float16: return 0x1p-11;
+    default: return 0;
+  }
+}
+
 }  // namespace dimattn

@@ -1,0 +1,99 @@
+#pragma once
+// The one description of an attention case, shared by the dual harness
+// (tests/dual), `dimattn check`, `dimattn explain` and `dimattn bench`,
+// bench/ and the fuzz targets: a case as data (sizes, roles, masks,
+// dropout, dtype, device), its named operands, running it with a forced
+// kernel, and comparing results. Not installed: a tool for dimattn's own
+// tests and programs (docs/architecture.md, "Shared test code").
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dimattn/attention.h"
+#include "dimattn/dtype.h"
+#include "dimattn/tensor.h"
+
+namespace dimattn::testing {
+
+enum class Kind {
+  self,   // q, k, v over one time dim (axis in the query): seq_q == seq_k
+  cross,  // query time vs a separate kv dim
+  step,   // one decoding step: a query without a spatial dim (seq_q unused)
+};
+const char* kind_name(Kind);
+
+struct AttentionCase {
+  std::string name;     // for test names and reports; may be empty
+  std::string backend;  // "": the default backend
+  Device device = kCPU;
+  DType dtype = DType::float32;
+  Kind kind = Kind::cross;
+  int64_t batch = 2, heads = 2;  // heads: kv heads
+  // Query rows per kv head from a dim only the query has: GQA query heads
+  // ("group"), or beam hypotheses ("beam"). 1: no such dim.
+  int64_t groups = 1;
+  std::string group_name = "group";
+  int64_t seq_q = 5, seq_k = 7;
+  int64_t head_dim = 8, head_dim_v = 8;
+  bool causal = false;
+  std::vector<int64_t> lengths;  // kv lengths per batch entry; empty: a static kv dim
+  // Causal offset (a chunk appended to a history): one value is a rank-0
+  // offset, else one per batch entry; empty: none.
+  std::vector<int64_t> offsets;
+  double dropout = 0;  // acts where the run's train flag is on
+  bool broadcast_dropout = false;
+  std::optional<double> scale;  // default 1/sqrt(head_dim)
+  uint64_t seed = 1;            // q, k, v from seed, seed + 1, seed + 2
+
+  // The scale dot_attention applies.
+  double softmax_scale() const;
+  // |q·k·scale| of unit-normal q, k: softmax_scale() · sqrt(head_dim) (1
+  // with the default scale; extreme-logit cases make it ~1e4).
+  double logit_scale() const;
+  // Query rows attending each kv row: groups x query positions.
+  int64_t query_rows() const { return groups * (kind == Kind::step ? 1 : seq_q); }
+  // Forward FLOPs, 4·B·H·rows·Tk·D, halved for causal (DESIGN.md §9).
+  double flops() const;
+  std::string describe() const;  // one line, for reports
+};
+
+// Why the sizes and flags do not make one call, or nullopt when they do.
+std::optional<std::string> invalid_reason(const AttentionCase& c);
+
+struct Operands {
+  Tensor q, k, v;
+  AttentionOptions opts;
+  Dims out_order;  // the output's dims in a fixed order, for comparisons
+};
+
+// Unit-normal q, k, v of [batch, heads, (group), (time), feat] and
+// [batch, heads, kv, feat|vfeat] on the case's backend and device; with
+// requires_grad on backends with autograd.
+Operands make_operands(const AttentionCase& c, bool requires_grad = false);
+
+// An upstream gradient over ops.out_order (seed: the case's + 98), 0 on
+// padded query rows, which carry no meaning (docs/numerics.md).
+Tensor upstream_gradient(const AttentionCase& c, const Operands& ops);
+
+// A unit-normal tensor of any dtype: integer dtypes are drawn as float32
+// and cast (random_normal draws floats only).
+Tensor random_operand(const Dims& dims, uint64_t seed, DType dtype, const std::string& backend,
+                      Device device = kCPU);
+
+// Why `kernel` cannot run these operands (its gate's reason), or nullopt when
+// it can. "reference" always can.
+std::optional<std::string> rejection(const Operands& ops, const std::string& kernel);
+
+// dot_attention with kernels forced to `spec` ("auto", "reference", a kernel name).
+Tensor run_forced(const Operands& ops, const std::string& spec);
+
+// Largest |a - b| after bringing both to `order`; NaN anywhere, or a
+// different number of elements, gives +inf.
+double max_abs_diff(const Tensor& a, const Tensor& b, const Dims& order);
+double max_abs(const Tensor& a);  // over finite values; 0 for none
+
+// Same set of dims, any order.
+bool same_dims(const Dims& a, const Dims& b);
+
+}  // namespace dimattn::testing

@@ -1,0 +1,179 @@
+#include "dimattn/testing/cases.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include "dimattn/ext/backend.h"
+#include "dimattn/forcing.h"
+#include "dimattn/ops.h"
+#include "dimattn/selection.h"
+
+namespace dimattn::testing {
+
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::self: return "self";
+    case Kind::cross: return "cross";
+    case Kind::step: return "step";
+  }
+  return "?";
+}
+
+double AttentionCase::softmax_scale() const {
+  return scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim)));
+}
+
+double AttentionCase::logit_scale() const {
+  if (!scale) return 1;  // exactly, not 1/sqrt(D) · sqrt(D) rounded
+  return std::abs(*scale) * std::sqrt(static_cast<double>(head_dim));
+}
+
+double AttentionCase::flops() const {
+  const double f = 4.0 * static_cast<double>(batch * heads * query_rows() * seq_k * head_dim);
+  return causal ? f / 2 : f;
+}
+
+namespace {
+std::string join(const std::vector<int64_t>& xs) {
+  std::string s;
+  for (int64_t x : xs) {
+    if (!s.empty()) s += ',';
+    s += std::to_string(x);
+  }
+  return s;
+}
+
+std::vector<double> as_doubles(const std::vector<int64_t>& xs) { return {xs.begin(), xs.end()}; }
+}  // namespace
+
+std::string AttentionCase::describe() const {
+  std::ostringstream os;
+  os << (backend.empty() ? "default" : backend) << " " << device_name(device) << " " << dtype_name(dtype) << " "
+     << kind_name(kind) << " B=" << batch << " H=" << heads;
+  if (groups > 1) os << " " << group_name << "=" << groups;
+  if (kind != Kind::step) os << " Tq=" << seq_q;
+  os << " Tk=" << seq_k << " D=" << head_dim;
+  if (head_dim_v != head_dim) os << " Dv=" << head_dim_v;
+  if (causal) os << " causal";
+  if (!offsets.empty()) os << " offsets=" << join(offsets);
+  if (!lengths.empty()) os << " lengths=" << join(lengths);
+  if (dropout > 0) os << " dropout=" << dropout << (broadcast_dropout ? "(broadcast)" : "");
+  if (scale) os << " scale=" << *scale;
+  os << " seed=" << seed;
+  return os.str();
+}
+
+std::optional<std::string> invalid_reason(const AttentionCase& c) {
+  const std::string B = std::to_string(c.batch);
+  if (c.batch < 1 || c.heads < 1 || c.groups < 1) return "batch, heads and groups must be at least 1";
+  if (c.seq_q < 1 || c.seq_k < 1) return "sequence lengths must be at least 1";
+  if (c.head_dim < 1 || c.head_dim_v < 1) return "head dims must be at least 1";
+  if (c.kind == Kind::self && c.seq_q != c.seq_k)
+    return "self-attention needs equal query and kv lengths; use cross-attention for different ones";
+  if (c.kind == Kind::step && c.causal) return "a single step has no query spatial dim to be causal over";
+  if (!c.lengths.empty() && static_cast<int64_t>(c.lengths.size()) != c.batch)
+    return "give one kv length per batch entry (" + B + ")";
+  for (int64_t l : c.lengths)
+    if (l < 0 || l > c.seq_k) return "kv lengths must be in [0, " + std::to_string(c.seq_k) + "]";
+  if (!c.offsets.empty() && !c.causal) return "causal offsets need causal attention";
+  if (c.offsets.size() > 1 && static_cast<int64_t>(c.offsets.size()) != c.batch)
+    return "give one causal offset, or one per batch entry (" + B + ")";
+  if (c.causal && c.offsets.empty() && c.seq_q != c.seq_k)
+    return "causal attention without offsets needs equal query and kv lengths";
+  if (!(c.dropout >= 0 && c.dropout < 1)) return "dropout must be in [0, 1)";
+  return std::nullopt;
+}
+
+Tensor random_operand(const Dims& dims, uint64_t seed, DType dtype, const std::string& backend, Device device) {
+  const TensorOptions o{.dtype = is_floating(dtype) ? dtype : DType::float32, .device = device, .backend = backend};
+  const Tensor x = random_normal(dims, seed, o);
+  return is_floating(dtype) ? x : cast(x, dtype);
+}
+
+Operands make_operands(const AttentionCase& c, bool requires_grad) {
+  const TensorOptions ints{.dtype = DType::int64, .device = c.device, .backend = c.backend};
+  Dim batch("batch", c.batch), heads("heads", c.heads), group(c.group_name, c.groups);
+  Dim feat("feat", c.head_dim), vfeat("vfeat", c.head_dim_v);
+  const char* kv_name = c.kind == Kind::self ? "time" : "kv";
+  Dim kv = c.lengths.empty() ? Dim(kv_name, c.seq_k)
+                             : Dim::dynamic(kv_name, from_host({batch}, as_doubles(c.lengths), ints), c.seq_k);
+  std::optional<Dim> time;
+  if (c.kind == Kind::self) time = kv;
+  if (c.kind == Kind::cross) time = Dim("time", c.seq_q);
+
+  Dims qd = {batch, heads};
+  if (c.groups > 1) qd.push_back(group);
+  if (time) qd.push_back(*time);
+  qd.push_back(feat);
+  auto operand = [&](const Dims& dims, uint64_t seed) { return random_operand(dims, seed, c.dtype, c.backend, c.device); };
+  Operands ops{operand(qd, c.seed), operand({batch, heads, kv, feat}, c.seed + 1),
+               operand({batch, heads, kv, vfeat}, c.seed + 2),
+               {.key_dim = feat,
+                .axis = kv,
+                .att_dropout = c.dropout,
+                .att_dropout_broadcast = c.broadcast_dropout,
+                .scale = c.scale},
+               {}};
+  if (c.causal && time) ops.opts.causal_query_spatial_dim = *time;
+  if (c.offsets.size() == 1) ops.opts.causal_offset = scalar(static_cast<double>(c.offsets[0]), ints);
+  if (c.offsets.size() > 1) ops.opts.causal_offset = from_host({batch}, as_doubles(c.offsets), ints);
+  for (const Dim& d : qd)
+    if (d != feat) ops.out_order.push_back(d);
+  ops.out_order.push_back(vfeat);
+  if (requires_grad && ops.q.backend().has_autograd())
+    for (Tensor* t : {&ops.q, &ops.k, &ops.v}) t->requires_grad(true);
+  return ops;
+}
+
+Tensor upstream_gradient(const AttentionCase& c, const Operands& ops) {
+  const TensorOptions o{.dtype = ops.q.dtype(), .device = ops.q.device(), .backend = ops.q.backend().name()};
+  Tensor w = random_normal(ops.out_order, c.seed + 98, o);
+  for (const Dim& d : ops.out_order)
+    if (d.is_dynamic()) w = where(sequence_mask(d, o), w, 0.0);
+  return w;
+}
+
+std::optional<std::string> rejection(const Operands& ops, const std::string& kernel) {
+  if (kernel == kReferenceKernel) return std::nullopt;
+  // With the reference as a fallback, selection records the kernel's reason
+  // instead of throwing.
+  ForceKernels force(kernel + "," + kReferenceKernel);
+  const Decision d = explain_attention(ops.q, ops.k, ops.v, ops.opts);
+  if (d.kernel == kernel) return std::nullopt;
+  for (const Rejection& r : d.rejected)
+    if (r.kernel == kernel) return r.reason;
+  return "not a kernel of the " + ops.q.backend().name() + " backend on " + device_name(ops.q.device());
+}
+
+Tensor run_forced(const Operands& ops, const std::string& spec) {
+  ForceKernels force(spec);
+  return dot_attention(ops.q, ops.k, ops.v, ops.opts);
+}
+
+double max_abs_diff(const Tensor& a, const Tensor& b, const Dims& order) {
+  const std::vector<double> x = to_host(a, order), y = to_host(b, order);
+  if (x.size() != y.size()) return INFINITY;
+  double m = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (std::isnan(x[i]) || std::isnan(y[i])) return INFINITY;
+    m = std::max(m, std::abs(x[i] - y[i]));
+  }
+  return m;
+}
+
+double max_abs(const Tensor& a) {
+  double m = 0;
+  for (double x : to_host(a))
+    if (std::isfinite(x)) m = std::max(m, std::abs(x));
+  return m;
+}
+
+bool same_dims(const Dims& a, const Dims& b) {
+  if (a.size() != b.size()) return false;
+  for (const Dim& d : a)
+    if (!contains(b, d)) return false;
+  return true;
+}
+
+}  // namespace dimattn::testing
