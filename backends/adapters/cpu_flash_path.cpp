@@ -57,8 +57,8 @@ FlashForward flash_forward(Backend& be, const AttentionCall& c, const FlashLayou
   return f;
 }
 
-FlashInputs flash_backward(Backend& be, const AttentionCall& c, const FlashLayout& l, const FlashInputs& in,
-                           const FlashForward& fwd, const RawPtr& dout, const kernels::ParallelFor& pf) {
+FlashGrads flash_backward(Backend& be, const AttentionCall& c, const FlashLayout& l, const FlashInputs& in,
+                          const FlashForward& fwd, const RawPtr& dout, const kernels::ParallelFor& pf) {
   const HostView q = host(be, in.q), k = host(be, in.k), v = host(be, in.v);
   const RawPtr dout_c = be.contiguous(dout);
   FlashInputs g{be.full(q.sizes, 0.0, q.dtype, kCPU), be.full(k.sizes, 0.0, k.dtype, kCPU),
@@ -70,7 +70,7 @@ FlashInputs flash_backward(Backend& be, const AttentionCall& c, const FlashLayou
   set_forward_outputs(pr.p, out, lse);
   set_backward_tensors(pr.p, d, dq, dk, dv);
   run_kernel([&] { kernels::flash_attention_backward_cpu(pr.p, pf); });
-  return g;
+  return {g, std::move(pr.dsinks)};
 }
 
 Tensor cpu_flash_attention(Backend& be, const AttentionCall& c, const kernels::ParallelFor& pf) {
@@ -103,7 +103,8 @@ AttentionCallGrads cpu_flash_attention_backward(Backend& be, const AttentionCall
   DIMATTN_CHECK(missing.empty() && extra.empty(), op, "grad_output has dims ", repr(grad_output.dims()),
         "; the output of this call has ", repr(out_order));
   const RawPtr dout4 = be.reshape(raw_in_order(op, grad_output, out_order, false), {l.B, l.Hkv * l.G, l.Tq, l.Dv});
-  const FlashInputs g = flash_backward(be, c, l, in, fwd, dout4, pf);
+  const FlashGrads grads = flash_backward(be, c, l, in, fwd, dout4, pf);
+  const FlashInputs& g = grads.inputs;
 
   auto named = [&](const RawPtr& raw, const Dims& dims) {
     Shape shape;
@@ -113,7 +114,8 @@ AttentionCallGrads cpu_flash_attention_backward(Backend& be, const AttentionCall
   const Dims kv_heads = join({l.outer, l.head});
   return {named(g.q, join({kv_heads, c.query_groups, {c.query_spatial, c.key_dim}})),
           named(g.k, join({kv_heads, {c.kv_spatial, c.key_dim}})),
-          named(g.v, join({kv_heads, {c.kv_spatial}, c.value_feature}))};
+          named(g.v, join({kv_heads, {c.kv_spatial}, c.value_feature})),
+          c.sinks ? std::optional<Tensor>(sinks_gradient(be, c, l, grads.dsinks)) : std::nullopt};
 }
 
 namespace {

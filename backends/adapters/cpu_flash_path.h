@@ -23,9 +23,14 @@ struct FlashForward {
 };
 FlashForward flash_forward(Backend& be, const AttentionCall& c, const FlashLayout& l, const FlashInputs& in,
                            const kernels::ParallelFor& pf);
-// dout [B, H, Tq, Dv] -> dq, dk, dv in the shapes of the inputs.
-FlashInputs flash_backward(Backend& be, const AttentionCall& c, const FlashLayout& l, const FlashInputs& in,
-                           const FlashForward& fwd, const RawPtr& dout, const kernels::ParallelFor& pf);
+// dout [B, H, Tq, Dv] -> dq, dk, dv in the shapes of the inputs, and with
+// sinks d(sinks) per (b, h) (kernel_form.h's sinks_gradient names it).
+struct FlashGrads {
+  FlashInputs inputs;
+  std::vector<double> dsinks;
+};
+FlashGrads flash_backward(Backend& be, const AttentionCall& c, const FlashLayout& l, const FlashInputs& in,
+                          const FlashForward& fwd, const RawPtr& dout, const kernels::ParallelFor& pf);
 
 // The whole forward pass for a backend's run_attention: the call's output.
 Tensor cpu_flash_attention(Backend& be, const AttentionCall& c, const kernels::ParallelFor& pf);

@@ -96,6 +96,53 @@ void flash_params(FlashParams& pr, const AttentionCall& c, const FlashLayout& l,
   p.dropout_broadcast = c.dropout_broadcast;
   p.seed = c.dropout_seed;
   p.rng_offset = static_cast<uint32_t>(c.dropout_offset);
+  p.window_left = c.window_left;
+  p.window_right = c.window_right;
+  p.softcap = c.softcap;
+  const int64_t H = l.Hkv * l.G;
+  auto per_head = [&](const Tensor& t, std::vector<double>& out) { out = host_values(t, per_head_dims(c, l)); };
+  if (c.alibi_slopes) {
+    per_head(*c.alibi_slopes, pr.slopes);
+    p.alibi_slopes = pr.slopes.data();
+    p.alibi_batch_stride = H;
+    p.alibi_head_stride = 1;
+  }
+  if (c.sinks) {
+    per_head(*c.sinks, pr.sinks);
+    p.sinks = pr.sinks.data();
+    p.sinks_batch_stride = H;
+    p.sinks_head_stride = 1;
+    pr.dsinks.assign(static_cast<size_t>(l.B * H), 0.0);
+    p.dsinks = pr.dsinks.data();
+  }
+}
+
+Dims per_head_dims(const AttentionCall& c, const FlashLayout& l) { return join({l.outer, l.head, c.query_groups}); }
+
+Tensor sinks_gradient(Backend& be, const AttentionCall& c, const FlashLayout& l, const std::vector<double>& dsinks) {
+  const Tensor& sinks = *c.sinks;
+  const Dims flat = per_head_dims(c, l);
+  // Each flat index's position in the sinks' own row-major order.
+  std::vector<int64_t> stride_of(flat.size(), 0);
+  int64_t n = 1;
+  for (size_t a = sinks.dims().size(); a-- > 0;) {
+    const auto it = std::find(flat.begin(), flat.end(), sinks.dims()[a]);
+    stride_of[static_cast<size_t>(it - flat.begin())] = n;
+    n *= sinks.dims()[a].extent();
+  }
+  std::vector<double> grad(static_cast<size_t>(n), 0.0);
+  for (int64_t x = 0; x < static_cast<int64_t>(dsinks.size()); ++x) {
+    int64_t rest = x, at = 0;
+    for (size_t a = flat.size(); a-- > 0;) {
+      at += (rest % flat[a].extent()) * stride_of[a];
+      rest /= flat[a].extent();
+    }
+    grad[static_cast<size_t>(at)] += dsinks[static_cast<size_t>(x)];
+  }
+  Shape shape;
+  for (const Dim& d : sinks.dims()) shape.push_back(d.extent());
+  return Tensor(sinks.dims(), sinks.dtype(), sinks.device(),
+                be.from_host(shape, grad, sinks.dtype(), sinks.device()), &be);
 }
 
 void set_forward_outputs(kernels::AttentionKernelParams& p, const HostView& out, const HostView& lse) {

@@ -61,6 +61,9 @@ LayoutClass flash_layout_class(const FlashInputs& aligned, const MemoryView& mem
 struct FlashParams {
   kernels::AttentionKernelParams p;
   std::vector<int64_t> kv_len, offset;
+  // Per (b, h) of the kernel (flat index b * H + h): ALiBi slopes, sink
+  // logits, and d(sinks) written by the backward pass.
+  std::vector<double> slopes, sinks, dsinks;
   FlashParams() = default;
   FlashParams(const FlashParams&) = delete;
   FlashParams& operator=(const FlashParams&) = delete;
@@ -68,6 +71,11 @@ struct FlashParams {
 // pre: q, k, v are the memory of flash_inputs' q, k, v.
 void flash_params(FlashParams& out, const AttentionCall& c, const FlashLayout& l, const HostView& q,
                   const HostView& k, const HostView& v);
+// The dims of the kernel's flat (b, h) index: B dims, kv head dims, query groups.
+Dims per_head_dims(const AttentionCall& c, const FlashLayout& l);
+// d(sinks) per (b, h) summed over the dims the call's sinks lack, as a tensor
+// over the sinks' dims on `be` (dtype and device of the sinks).
+Tensor sinks_gradient(Backend& be, const AttentionCall& c, const FlashLayout& l, const std::vector<double>& dsinks);
 // out [B, H, Tq, Dv] and lse [B, H, Tq]: written by the forward pass, read by the backward pass.
 void set_forward_outputs(kernels::AttentionKernelParams& p, const HostView& out, const HostView& lse);
 void set_backward_tensors(kernels::AttentionKernelParams& p, const HostView& dout, const HostView& dq,

@@ -48,6 +48,7 @@ decltype(auto) visit_unary_op(UnaryOp op, F&& f) {
     case U::sqrt: return f(std::integral_constant<U, U::sqrt>{});
     case U::abs: return f(std::integral_constant<U, U::abs>{});
     case U::logical_not: return f(std::integral_constant<U, U::logical_not>{});
+    case U::tanh: return f(std::integral_constant<U, U::tanh>{});
   }
   detail::fail("eigen.unary", "unknown op value ", static_cast<int>(op));
 }
@@ -165,6 +166,7 @@ inline auto scalar_unary(C x) {
   else if constexpr (Op == U::abs) return std::abs(x);
   else if constexpr (Op == U::exp) return std::exp(x);
   else if constexpr (Op == U::log) return std::log(x);
+  else if constexpr (Op == U::tanh) return std::tanh(x);
   else return std::sqrt(x);
 }
 
@@ -186,6 +188,7 @@ void unary_kernel(const EigenRaw& x, EigenRaw& out) {
         else if constexpr (Op == UnaryOp::exp) dst = v.exp().template cast<T>();
         else if constexpr (Op == UnaryOp::log) dst = v.log().template cast<T>();
         else if constexpr (Op == UnaryOp::sqrt) dst = v.sqrt().template cast<T>();
+        else if constexpr (Op == UnaryOp::tanh) dst = v.tanh().template cast<T>();
         else dst = v.abs().template cast<T>();
         return;
       }
@@ -198,7 +201,8 @@ void unary_kernel(const EigenRaw& x, EigenRaw& out) {
 
 RawPtr unary_impl(UnaryOp op, const EigenRaw& x) {
   const char* kOp = "eigen.unary";
-  const bool transcendental = op == UnaryOp::exp || op == UnaryOp::log || op == UnaryOp::sqrt;
+  const bool transcendental =
+      op == UnaryOp::exp || op == UnaryOp::log || op == UnaryOp::sqrt || op == UnaryOp::tanh;
   DIMATTN_CHECK(!transcendental || is_floating(x.dtype), kOp, op_name(op), " of ", dtype_name(x.dtype), " ",
         shape_str(x.shape), " is not supported; cast to a floating dtype first");
   DIMATTN_CHECK(x.dtype != DType::boolean || op == UnaryOp::logical_not, kOp, op_name(op), " of bool ", shape_str(x.shape),

@@ -55,19 +55,26 @@ CUstream_st* current_stream(c10::Device device) {
   return static_cast<CUstream_st*>(s.native_handle());
 }
 
-// The per-entry arrays (host vectors in FlashParams) on the device; p points
-// at them while the returned tensors live.
+// The per-entry and per-head arrays (host vectors in FlashParams) on the
+// device; p points at them while the returned tensors live. With sinks, the
+// last one is d(sinks) (float64 [B * H]), written by the backward pass.
 std::vector<at::Tensor> to_device_arrays(detail::FlashParams& pr, c10::Device device) {
   std::vector<at::Tensor> keep;
-  auto upload = [&](const std::vector<int64_t>& host, const int64_t*& ptr) {
+  auto upload = [&]<class T>(const std::vector<T>& host, const T*& ptr, at::ScalarType type) {
     if (ptr == nullptr) return;
-    at::Tensor h = empty_on({static_cast<int64_t>(host.size())}, at::kLong, c10::Device(c10::DeviceType::CPU));
-    std::memcpy(h.mutable_data_ptr<int64_t>(), host.data(), host.size() * sizeof(int64_t));
+    at::Tensor h = empty_on({static_cast<int64_t>(host.size())}, type, c10::Device(c10::DeviceType::CPU));
+    std::memcpy(h.mutable_data_ptr(), host.data(), host.size() * sizeof(T));
     keep.push_back(h.to(device));
-    ptr = keep.back().const_data_ptr<int64_t>();
+    ptr = static_cast<const T*>(keep.back().const_data_ptr());
   };
-  upload(pr.kv_len, pr.p.kv_lengths);
-  upload(pr.offset, pr.p.causal_offset);
+  upload(pr.kv_len, pr.p.kv_lengths, at::kLong);
+  upload(pr.offset, pr.p.causal_offset, at::kLong);
+  upload(pr.slopes, pr.p.alibi_slopes, at::kDouble);
+  upload(pr.sinks, pr.p.sinks, at::kDouble);
+  if (pr.p.dsinks) {
+    keep.push_back(empty_on({static_cast<int64_t>(pr.dsinks.size())}, at::kDouble, device));
+    pr.p.dsinks = keep.back().mutable_data_ptr<double>();
+  }
   return keep;
 }
 
@@ -85,15 +92,17 @@ void run_kernel(const kernels::AttentionKernelParams& p, bool backward, F&& f) {
 }
 
 struct CudaFlashInfo : torch::CustomClassHolder {
-  CudaFlashInfo(AttentionCall c, detail::FlashLayout l) : call(std::move(c)), layout(l) {}
+  CudaFlashInfo(TorchBackend* b, AttentionCall c, detail::FlashLayout l) : be(b), call(std::move(c)), layout(l) {}
+  TorchBackend* be;
   AttentionCall call;
   detail::FlashLayout layout;
 };
 
 class CudaFlashFunction : public torch::autograd::Function<CudaFlashFunction> {
  public:
+  // sinks: as CpuFlashFunction's (torch_attention.cpp).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, c10::intrusive_ptr<CudaFlashInfo> info) {
+                            const at::Tensor& v, const at::Tensor& /*sinks*/, c10::intrusive_ptr<CudaFlashInfo> info) {
     const c10::DeviceGuard guard(q.device());
     const detail::FlashLayout& l = info->layout;
     const at::Tensor qr = kernel_readable(q), kr = kernel_readable(k), vr = kernel_readable(v);
@@ -129,7 +138,14 @@ class CudaFlashFunction : public torch::autograd::Function<CudaFlashFunction> {
     run_kernel(pr.p, true, [&] {
       kernels::cuda_flash_backward(pr.p, workspace.data_ptr(), current_stream(q.device()));
     });
-    return {dq, dk, dv, at::Tensor()};
+    at::Tensor dsinks;
+    if (info->call.sinks) {
+      const at::Tensor d = arrays.back().cpu();
+      const double* x = d.const_data_ptr<double>();
+      const std::vector<double> host(x, x + d.numel());
+      dsinks = as_aten(detail::sinks_gradient(*info->be, info->call, info->layout, host).raw());
+    }
+    return {dq, dk, dv, dsinks, at::Tensor()};
   }
 };
 
@@ -139,7 +155,8 @@ Tensor cuda_flash_attention(TorchBackend& be, const AttentionCall& c) {
   const detail::FlashLayout layout = detail::flash_layout(c);
   const detail::FlashInputs in = detail::flash_inputs(be, layout, detail::aligned_inputs(c, layout), memory_of_raw);
   at::Tensor out = CudaFlashFunction::apply(as_aten(in.q), as_aten(in.k), as_aten(in.v),
-                                            c10::make_intrusive<CudaFlashInfo>(c, layout));
+                                            sinks_input(c),
+                                            c10::make_intrusive<CudaFlashInfo>(&be, c, layout));
   return detail::flash_output(be, c, layout, wrap(out));
 }
 

@@ -3,11 +3,18 @@
 // kernels/cuda): roles -> the shared kernel form (backends/src/cpu_flash_path.h)
 // on device memory -> an autograd function over the forward and backward
 // kernels, on the current CUDA stream.
+#include <ATen/core/Tensor.h>
+
 #include "torch_backend.h"
 
 namespace dimattn::torch_backend {
 
 // pre: detail::cuda_flash_gate passed for the call's AttentionParams.
 Tensor cuda_flash_attention(TorchBackend& be, const AttentionCall& call);
+
+// The call's sinks as an autograd input of the fused functions (cpu_flash's
+// and cuda_flash's), so that d(sinks) reaches them; an empty tensor without
+// sinks, since autograd functions take no undefined inputs.
+at::Tensor sinks_input(const AttentionCall& call);
 
 }  // namespace dimattn::torch_backend

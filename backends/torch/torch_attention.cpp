@@ -16,6 +16,7 @@
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_ops.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_ops.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -42,7 +43,20 @@ bool is_16bit(DType d) { return d == DType::bfloat16 || d == DType::float16; }
 
 // --- gates: what each ATen kernel can run, as values with reasons ---
 
+// ATen's kernels take at most an additive mask: a window or ALiBi would be a
+// materialised [B, H, Tq, Tk] bias, which costs what the reference path
+// costs; soft-capping and sinks they cannot express. dimattn's own kernels
+// (cpu_flash, cuda_flash) compute them in the tiles.
+GateResult variants_gate(const AttentionParams& p) {
+  const char* what = p.window ? "a sliding window" : p.alibi ? "ALiBi" : p.softcap ? "soft-capping" : p.sinks ? "sinks" : nullptr;
+  if (!what) return GateResult::pass();
+  return GateResult::fail(std::string("takes no ") + what +
+                          " (ATen's kernels would need it as a materialised [B, H, Tq, Tk] bias or cannot express it); "
+                          "cpu_flash and cuda_flash compute it per tile");
+}
+
 GateResult common_fused_gate(const AttentionParams& p) {
+  if (GateResult v = variants_gate(p); !v.ok) return v;
   if (p.dropout)
     return GateResult::fail("dropout would come from ATen's RNG, not the shared Philox stream, so the result "
                             "could not be reproduced by the reference path");
@@ -58,6 +72,7 @@ GateResult gate_flash_cpu(const AttentionParams& p) {
 }
 
 GateResult gate_math(const AttentionParams& p) {
+  if (GateResult v = variants_gate(p); !v.ok) return v;
   if (p.dropout)
     return GateResult::fail("dropout would come from ATen's RNG (its explicit mask is a testing hook), not the "
                             "shared Philox stream");
@@ -262,8 +277,10 @@ struct CpuFlashInfo : torch::CustomClassHolder {
 
 class CpuFlashFunction : public torch::autograd::Function<CpuFlashFunction> {
  public:
+  // sinks: the call's sinks tensor (undefined without), an input so that
+  // autograd routes d(sinks) to it; the kernel reads its values through the call.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, c10::intrusive_ptr<CpuFlashInfo> info) {
+                            const at::Tensor& v, const at::Tensor& /*sinks*/, c10::intrusive_ptr<CpuFlashInfo> info) {
     const detail::FlashForward f =
         detail::flash_forward(*info->be, info->call, info->layout, {wrap(q), wrap(k), wrap(v)}, aten_parallel_for());
     const at::Tensor out = as_aten(f.out);
@@ -276,10 +293,12 @@ class CpuFlashFunction : public torch::autograd::Function<CpuFlashFunction> {
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto info = c10::static_intrusive_pointer_cast<CpuFlashInfo>(ctx->saved_data["info"].toCapsule());
-    const detail::FlashInputs g = detail::flash_backward(
+    const detail::FlashGrads g = detail::flash_backward(
         *info->be, info->call, info->layout, {wrap(saved[0]), wrap(saved[1]), wrap(saved[2])},
         {wrap(saved[3]), wrap(saved[4])}, wrap(grads[0]), aten_parallel_for());
-    return {as_aten(g.q), as_aten(g.k), as_aten(g.v), at::Tensor()};
+    at::Tensor dsinks;
+    if (info->call.sinks) dsinks = as_aten(detail::sinks_gradient(*info->be, info->call, info->layout, g.dsinks).raw());
+    return {as_aten(g.inputs.q), as_aten(g.inputs.k), as_aten(g.inputs.v), dsinks, at::Tensor()};
   }
 };
 
@@ -288,7 +307,7 @@ Tensor run_cpu_flash(Backend& be, const AttentionCall& c) {
   const detail::FlashLayout layout = detail::flash_layout(c);
   const detail::FlashInputs in = detail::flash_inputs(be, c, layout);
   at::Tensor out = CpuFlashFunction::apply(as_aten(in.q), as_aten(in.k), as_aten(in.v),
-                                           c10::make_intrusive<CpuFlashInfo>(&torch, c, layout));
+                                           sinks_input(c), c10::make_intrusive<CpuFlashInfo>(&torch, c, layout));
   return detail::flash_output(be, c, layout, wrap(out));
 }
 
@@ -303,6 +322,10 @@ KernelEntry aten_entry(const char* name, DeviceType device, GateResult (*gate)(c
 }
 
 }  // namespace
+
+at::Tensor sinks_input(const AttentionCall& c) {
+  return c.sinks ? as_aten(c.sinks->raw()) : at::empty({0});
+}
 
 const KernelTable& TorchBackend::attention_table() const {
   using enum DeviceType;

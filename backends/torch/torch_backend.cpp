@@ -494,6 +494,7 @@ RawPtr TorchBackend::unary(UnaryOp uop, const RawPtr& rx) {
       case UnaryOp::exp: check_floating(op, x, "exp"); return wrap(x.exp());
       case UnaryOp::log: check_floating(op, x, "log"); return wrap(x.log());
       case UnaryOp::sqrt: check_floating(op, x, "sqrt"); return wrap(x.sqrt());
+      case UnaryOp::tanh: check_floating(op, x, "tanh"); return wrap(x.tanh());
       case UnaryOp::abs: return wrap(x.scalar_type() == at::kBool ? x : x.abs());
       case UnaryOp::logical_not: return wrap(x.logical_not());
     }

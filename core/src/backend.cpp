@@ -11,7 +11,7 @@ const char* op_name(BinaryOp op) {
   return names[static_cast<int>(op)];
 }
 const char* op_name(UnaryOp op) {
-  constexpr const char* names[] = {"neg", "exp", "log", "sqrt", "abs", "logical_not"};
+  constexpr const char* names[] = {"neg", "exp", "log", "sqrt", "abs", "logical_not", "tanh"};
   return names[static_cast<int>(op)];
 }
 const char* op_name(ReduceOp op) {
@@ -91,8 +91,12 @@ RawPtr raw_in_order(const char* op, const Tensor& x, const Dims& order, bool exp
   return expand ? b.expand(raw, full_shape) : raw;
 }
 
+std::vector<double> host_values(const Tensor& t, const Dims& order) {
+  return t.backend().to_host(raw_in_order("host_values", t, order, true));
+}
+
 std::vector<int64_t> host_ints(const Tensor& t, const Dims& order) {
-  const std::vector<double> values = t.backend().to_host(raw_in_order("host_ints", t, order, true));
+  const std::vector<double> values = host_values(t, order);
   return std::vector<int64_t>(values.begin(), values.end());
 }
 

@@ -34,7 +34,8 @@ std::string AttentionParams::describe() const {
      << " offset=" << (offset == OffsetKind::none ? "none" : "nonzero") << " dropout=" << dropout
      << " broadcast_dropout=" << dropout_broadcast << " padding=" << padding << " gqa_ratio=" << gqa_ratio
      << " keys_only=" << keys_only << " layout=" << layout_name(layout) << " requires_grad=" << requires_grad
-     << " deterministic=" << deterministic << " forced=" << forced;
+     << " deterministic=" << deterministic << " window=" << window << " softcap=" << softcap << " alibi=" << alibi
+     << " sinks=" << sinks << " sinks_grad=" << sinks_grad << " forced=" << forced;
   return os.str();
 }
 
@@ -50,7 +51,8 @@ size_t AttentionParamsHash::operator()(const AttentionParams& p) const {
   mix(static_cast<uint64_t>(p.offset));
   mix((uint64_t{p.causal} << 0) | (uint64_t{p.dropout} << 1) | (uint64_t{p.dropout_broadcast} << 2) |
       (uint64_t{p.padding} << 3) | (uint64_t{p.keys_only} << 4) | (uint64_t{p.requires_grad} << 5) |
-      (uint64_t{p.deterministic} << 6));
+      (uint64_t{p.deterministic} << 6) | (uint64_t{p.window} << 7) | (uint64_t{p.softcap} << 8) |
+      (uint64_t{p.alibi} << 9) | (uint64_t{p.sinks} << 10) | (uint64_t{p.sinks_grad} << 11));
   return h;
 }
 
@@ -185,6 +187,11 @@ AttentionParams attention_params(const AttentionCall& call, LayoutClass layout, 
   for (const Dim& d : call.query_groups) g *= d.extent();
   p.gqa_ratio = g;
   p.keys_only = !call.keys_only.empty();
+  p.window = call.has_window();
+  p.softcap = call.softcap > 0;
+  p.alibi = call.alibi_slopes.has_value();
+  p.sinks = call.sinks.has_value();
+  p.sinks_grad = p.sinks && call.sinks->requires_grad();
   p.layout = layout;
   p.requires_grad = requires_grad;
   p.deterministic = deterministic_algorithms();

@@ -118,9 +118,63 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
                     "extents; query ", cq.repr(), " vs kv ", o.axis.repr(),
                     ". For a chunk appended to a history pass causal_offset = history length");
     }
-  } else {
-    DIMATTN_CHECK(!o.causal_offset, kOp, "causal_offset is set but causal_query_spatial_dim is not");
+  } else if (o.causal_offset) {
+    DIMATTN_CHECK(o.query_position_dim.has_value(), kOp,
+                  "causal_offset is set but neither causal_query_spatial_dim nor query_position_dim is: the offset ",
+                  "shifts the diagonal of causal masks, windows and ALiBi");
+    const Tensor& off = *o.causal_offset;
+    common_backend(kOp, {&query, &off});
+    DIMATTN_CHECK(off.dtype() == DType::int32 || off.dtype() == DType::int64, kOp,
+                  "causal_offset must be int32 or int64, got ", off.repr());
+    DIMATTN_CHECK(without(off.dims(), batch).empty(), kOp, "causal_offset dims ", repr(off.dims()),
+                  " must be batch dims of the call ", repr(batch));
   }
+
+  // Variants: windows and ALiBi measure distance along the query's
+  // positional dim, which the caller names (causal: the causal dim).
+  std::optional<Dim> position = o.causal_query_spatial_dim;
+  if (o.query_position_dim) {
+    const Dim& pd = *o.query_position_dim;
+    DIMATTN_CHECK(!causal || pd == *o.causal_query_spatial_dim, kOp, "query_position_dim ", pd.repr(),
+                  " differs from causal_query_spatial_dim ", o.causal_query_spatial_dim->repr(),
+                  "; for causal attention they are one dim (leave query_position_dim unset)");
+    DIMATTN_CHECK(contains(query_only, pd), kOp, "query_position_dim ", pd.repr(), " must be a dim of the query ",
+                  repr(query.dims()), " that keys/values lack", same_name_hint(query, pd, "query's"),
+                  "; for self-attention pass axis");
+    position = pd;
+  }
+  DIMATTN_CHECK(position || (!o.window && !o.alibi_slopes), kOp, o.window ? "a window" : "ALiBi",
+                " measures distance along the query's positional dim: pass query_position_dim (for causal attention, ",
+                "causal_query_spatial_dim); it is never guessed");
+  int64_t window_left = -1, window_right = -1;
+  if (o.window) {
+    const AttentionWindow& w = *o.window;
+    DIMATTN_CHECK(w.left || w.right, kOp, "window has neither left nor right set; leave window unset for none");
+    DIMATTN_CHECK(!w.left || *w.left >= 0, kOp, "window.left must be >= 0 kv positions, got ", w.left.value_or(0));
+    DIMATTN_CHECK(!w.right || *w.right >= 0, kOp, "window.right must be >= 0 kv positions, got ",
+                  w.right.value_or(0));
+    DIMATTN_CHECK(!causal || !w.right || *w.right == 0, kOp, "window.right is ", w.right.value_or(0),
+                  " but causal attention sees no kv position right of the diagonal; leave it unset or 0");
+    window_left = w.left.value_or(-1);
+    window_right = w.right.value_or(-1);
+  }
+  if (o.softcap)
+    DIMATTN_CHECK(std::isfinite(*o.softcap) && *o.softcap > 0, kOp, "softcap must be finite and > 0, got ",
+                  *o.softcap, "; leave it unset for no soft-capping");
+  // Slopes and sinks live on the call's per-(batch, head) dims.
+  const Dims per_head = union_dims(batch, union_dims(keys_only, query_only));
+  auto check_per_head = [&](const Tensor& t, const char* what) {
+    common_backend(kOp, {&query, &t});
+    DIMATTN_CHECK(is_floating(t.dtype()), kOp, what, " must be a floating tensor, got ", t.repr());
+    for (const Dim& d : t.dims())
+      DIMATTN_CHECK(contains(per_head, d) && (!position || d != *position), kOp, what, " ", repr(t.dims()),
+                    " has dim ", d.repr(), " which is not a batch dim of the call ", repr(batch),
+                    " (nor a keys-only or query group dim); ", what, " vary over heads and batch dims only");
+  };
+  if (o.alibi_slopes) check_per_head(*o.alibi_slopes, "alibi_slopes");
+  if (o.sinks) check_per_head(*o.sinks, "sinks");
+  DIMATTN_CHECK(!(o.sinks && o.sink_off_by_one), kOp, "sinks and sink_off_by_one are both set; the off-by-one ",
+                "sink is the fixed logit 0, learnable sinks are a tensor: choose one");
 
   // Rules 3 and 4: the query's own dims are its spatial dim (the causal dim,
   // else the longest) and groups; none means one decoding step, given a
@@ -134,7 +188,7 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
       if (d.extent() > best.extent()) best = d;
     return best;
   };
-  Dim query_spatial = dummy ? Dim("query_step", 1) : causal ? *o.causal_query_spatial_dim : longest();
+  Dim query_spatial = dummy ? Dim("query_step", 1) : position ? *position : longest();
   if (dummy) q = expand_dim(q, query_spatial);
   const Dims query_groups = without(query_only, {query_spatial});
 
@@ -155,7 +209,12 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
                      .dropout = dropout_on ? o.att_dropout : 0.0,
                      .dropout_broadcast = o.att_dropout_broadcast,
                      .dropout_seed = dropout_on ? next_random_seed() : 0,
-                     .dropout_offset = 0};
+                     .dropout_offset = 0,
+                     .window_left = window_left,
+                     .window_right = window_right,
+                     .softcap = o.softcap.value_or(0.0),
+                     .alibi_slopes = o.alibi_slopes,
+                     .sinks = o.sink_off_by_one ? std::optional<Tensor>(scalar(0.0, options_like(query))) : o.sinks};
 
   return {call, dummy};
 }

@@ -30,8 +30,10 @@ AttentionGrads dot_attention_backward(const Tensor& query, const Tensor& keys, c
   const Tensor dout = dummy ? expand_dim(grad_output, c.query_spatial) : grad_output;
   AttentionCallGrads g = query.backend().attention_backward(c, dout);
   if (dummy) g.query = squeeze(g.query, c.query_spatial);
-  return {to_input_dims(g.query, query, c, opts.axis), to_input_dims(g.keys, keys, c, opts.axis),
-          to_input_dims(g.values, values, c, opts.axis)};
+  AttentionGrads out{to_input_dims(g.query, query, c, opts.axis), to_input_dims(g.keys, keys, c, opts.axis),
+                     to_input_dims(g.values, values, c, opts.axis), std::nullopt};
+  if (opts.sinks && g.sinks) out.sinks = copy_transpose(*g.sinks, opts.sinks->dims());  // not for the off-by-one sink
+  return out;
 }
 
 }  // namespace dimattn

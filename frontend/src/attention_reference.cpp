@@ -81,21 +81,41 @@ ReferenceAttention reference_attention(const AttentionCall& c) {
   // product, as the fused kernels never read them (docs/errors.md).
   if (c.kv_spatial.is_dynamic()) v = where(sequence_mask(c.kv_spatial, options_like(v)), v, 0.0);
 
+  // The order of docs/numerics.md: scale, soft-capping, ALiBi, masks,
+  // softmax with the sink, dropout.
   Tensor energy = matmul(mul(q, c.scale), k, {c.key_dim});
+  if (c.softcap > 0) energy = mul(tanh(mul(energy, 1.0 / c.softcap)), c.softcap);
+
+  // Positions along the diagonal: d = i + offset - j (query row i, kv j).
+  const TensorOptions int_opts = options_like(energy, DType::int64);
+  std::optional<Tensor> diag;
+  if (c.positional()) {
+    Tensor row = range_over_dim(c.query_spatial, int_opts);
+    if (c.causal_offset) row = add(row, cast(*c.causal_offset, DType::int64));
+    diag = sub(row, range_over_dim(c.kv_spatial, int_opts));
+  }
+  if (c.alibi_slopes) energy = sub(energy, mul(cast(*c.alibi_slopes, dt), cast(abs(*diag), dt)));
 
   std::optional<Tensor> valid;
+  auto require = [&](const Tensor& allowed) { valid = valid ? logical_and(*valid, allowed) : allowed; };
   if (c.kv_spatial.is_dynamic()) valid = sequence_mask(c.kv_spatial, options_like(energy));
-  if (c.causal) {
-    const TensorOptions int_opts = options_like(energy, DType::int64);
-    Tensor limit = range_over_dim(c.query_spatial, int_opts);
-    if (c.causal_offset) limit = add(limit, cast(*c.causal_offset, DType::int64));
-    Tensor allowed = compare(range_over_dim(c.kv_spatial, int_opts), Compare::le, limit);
-    valid = valid ? logical_and(*valid, allowed) : allowed;
-  }
+  if (c.causal) require(compare(*diag, Compare::ge, 0.0));
+  if (c.window_left >= 0) require(compare(*diag, Compare::le, static_cast<double>(c.window_left)));
+  if (c.window_right >= 0) require(compare(*diag, Compare::ge, -static_cast<double>(c.window_right)));
 
+  constexpr double kInf = std::numeric_limits<double>::infinity();
   Tensor weights = energy;
-  if (valid) {
-    weights = where(*valid, energy, -std::numeric_limits<double>::infinity());
+  if (c.sinks) {
+    // The sink's logit joins the denominator: w = exp(e - m) / (sum exp(e - m)
+    // + exp(sink - m)) with m = max(max e, sink); a row without any valid
+    // position has weights 0 (all its mass on the sink).
+    const Tensor sink = cast(*c.sinks, dt);
+    Tensor e = valid ? where(*valid, energy, -kInf) : energy;
+    const Tensor m = maximum(reduce_max(e, {c.kv_spatial}), sink);
+    e = exp(sub(e, m));
+    weights = div(e, add(reduce_sum(e, {c.kv_spatial}), exp(sub(sink, m))));
+  } else if (valid) {
+    weights = where(*valid, energy, -kInf);
     // A row without any valid position is NaN after softmax; the mask zeroes it.
     weights = where(*valid, softmax(weights, c.kv_spatial), 0.0);
   } else {

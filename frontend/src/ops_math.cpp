@@ -85,6 +85,10 @@ Tensor sqrt(const Tensor& x) {
   check_floating("sqrt", x);
   return unary(UnaryOp::sqrt, x);
 }
+Tensor tanh(const Tensor& x) {
+  check_floating("tanh", x);
+  return unary(UnaryOp::tanh, x);
+}
 
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   Backend& be = common_backend("where", {&cond, &a, &b});

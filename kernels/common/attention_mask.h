@@ -5,19 +5,20 @@
 //
 // Masks. Per batch entry, query row i attends the half-open kv range
 // [lo(i), hi(i)):
-//   lo(i) = 0
-//   hi(i) = 0                                     if i >= q_len (padding row)
-//           min(kv_len, i + offset + 1)           if causal
-//           kv_len                                otherwise   (clamped to >= 0)
+//   lo(i) = max(0, i + offset - left)            with a window's left bound
+//           0                                    otherwise
+//   hi(i) = 0                                    if i >= q_len (padding row)
+//           min(kv_len, i + offset + 1)          if causal
+//           min(kv_len, i + offset + right + 1)  with a window's right bound
+//           kv_len                               otherwise   (clamped to >= 0;
+//                                                 causal and a right bound: the smaller)
 // with q_len, kv_len the entry's lengths (AttentionKernelParams::q_lengths,
-// kv_lengths; the full extent when absent) and offset its causal offset.
-// Both bounds are nondecreasing in i over the rows i < q_len, which is what
-// the kernels' loops rely on (a block of rows attends [lo(first), hi(last))).
-// A sliding window would be a change of lo(i) (e.g. i + offset + 1 - window);
-// loop bounds come from lo/hi and rows_reaching(), not from their formulas.
-// Caveat: the CPU kernel's per-row tile masks are prefixes today (positions
-// below a row's lo inside a tile it attends are not masked); a window must
-// add that lower bound there (docs/numerics.md).
+// kv_lengths; the full extent when absent), offset its causal offset and
+// left/right the window (AttentionKernelParams::window_left/right, negative =
+// unbounded). Both bounds are nondecreasing in i over the rows i < q_len,
+// which is what the kernels' loops rely on (a block of rows attends
+// [lo(first), hi(last)), a kv position is attended by a contiguous run of
+// rows, rows_reaching()): blocks outside a window's band are skipped.
 //
 // How the reference path (frontend/src/attention_reference.cpp) maps onto it:
 // causal there allows kv j iff j <= i + offset, i.e. j < i + offset + 1 = the
@@ -56,40 +57,88 @@ struct EntryMask {
   int64_t q_len, kv_len;
   int64_t offset;  // causal offset, clamped to [-seqlen_q - 1, seqlen_k]
   bool causal;
+  int64_t left = -1, right = -1;  // window bounds, clamped to <= seqlen_q + seqlen_k + 1; < 0 = none
 
-  DIMATTN_HD int64_t lo(int64_t /*i*/) const { return 0; }
+  DIMATTN_HD int64_t lo(int64_t i) const {
+    if (left < 0) return 0;
+    const int64_t l = i + offset - left;
+    return l > 0 ? l : 0;
+  }
   DIMATTN_HD int64_t hi(int64_t i) const {
     if (i >= q_len) return 0;  // padding rows attend nothing
     int64_t h = kv_len;
     if (causal && i + offset + 1 < h) h = i + offset + 1;
+    if (right >= 0 && i + offset + right + 1 < h) h = i + offset + right + 1;
     return h > 0 ? h : 0;
   }
   DIMATTN_HD Range row(int64_t i) const { return {lo(i), hi(i)}; }
   DIMATTN_HD bool allowed(int64_t i, int64_t j) const { return row(i).contains(j); }
 
   // The rows [first, end) that attend kv position j, clamped to [0, q_len]
-  // (first == end when none). pre: 0 <= j < kv_len.
+  // (first >= end when none). pre: 0 <= j < kv_len.
   DIMATTN_HD Range rows_reaching(int64_t j) const {
-    int64_t first = causal ? j - offset : 0;  // hi(i) > j  <=>  i + offset + 1 > j
+    // hi(i) > j  <=>  i + offset + 1 > j (causal) and i + offset + right + 1 > j.
+    int64_t first = 0;
+    if (causal) first = j - offset;
+    if (right >= 0 && j - offset - right > first) first = j - offset - right;
+    // lo(i) <= j  <=>  i + offset - left <= j.
+    int64_t end = left >= 0 ? j - offset + left + 1 : q_len;
     first = first < 0 ? 0 : first > q_len ? q_len : first;
-    return {first, q_len};
+    end = end < first ? first : end > q_len ? q_len : end;
+    return {first, end};
   }
 };
 
 // The mask of batch entry b from a params struct's per-entry arrays (nullptr
 // = full length, offset 0). Clamping the offset keeps i + offset + 1 from
 // overflowing without changing any mask: offset >= seqlen_k allows every
-// position, offset <= -seqlen_q - 1 none.
+// position, offset <= -seqlen_q - 1 none; window bounds past
+// seqlen_q + seqlen_k + 1 bound nothing either.
 DIMATTN_HD EntryMask entry_mask(const int64_t* q_lengths, const int64_t* kv_lengths, const int64_t* causal_offset,
-                                bool causal, int64_t seqlen_q, int64_t seqlen_k, int64_t b) {
+                                bool causal, int64_t seqlen_q, int64_t seqlen_k, int64_t b, int64_t window_left = -1,
+                                int64_t window_right = -1) {
   EntryMask m;
   m.q_len = q_lengths ? q_lengths[b] : seqlen_q;
   m.kv_len = kv_lengths ? kv_lengths[b] : seqlen_k;
   m.causal = causal;
   const int64_t off = causal_offset ? causal_offset[b] : 0;
   m.offset = off < -seqlen_q - 1 ? -seqlen_q - 1 : off > seqlen_k ? seqlen_k : off;
+  const int64_t far = seqlen_q + seqlen_k + 1;
+  m.left = window_left > far ? far : window_left;
+  m.right = window_right > far ? far : window_right;
   return m;
 }
+
+// ---------------------------------------------------------------------------
+// Scores: soft-capping and ALiBi, in the log2 units the kernels use
+// (x = s * log2(e)); the order of AttentionKernelParams.
+
+DIMATTN_HD float tanh_of(float x) { return ::tanhf(x); }
+DIMATTN_HD double tanh_of(double x) { return ::tanh(x); }
+
+// F: the kernel's accumulation type (float, or double for float64).
+template <class F>
+struct ScoreMod {
+  F cap = 0;    // softcap * log2(e); 0 = off
+  F slope = 0;  // ALiBi slope * log2(e) of this (b, h); 0 = off
+  int64_t offset = 0;
+
+  DIMATTN_HD bool on() const { return cap > 0 || slope != 0; }
+  // The modified score of raw x at (i, j); t receives tanh(x / cap) (for
+  // the backward pass: d(capped)/dx = 1 - t^2), 0 without soft-capping.
+  DIMATTN_HD F apply(F x, int64_t i, int64_t j, F& t) const {
+    t = 0;
+    if (cap > 0) {
+      t = tanh_of(x / cap);
+      x = cap * t;
+    }
+    if (slope != 0) {
+      const int64_t d = i + offset - j;
+      x -= slope * static_cast<F>(d < 0 ? -d : d);
+    }
+    return x;
+  }
+};
 
 // ---------------------------------------------------------------------------
 // Dropout: the keep rule and its keying.

@@ -136,7 +136,37 @@ struct AttentionKernelParams {
   uint64_t seed = 0;
   uint32_t rng_offset = 0;  // philox.h keys the counter with 32 bits
 
+  // Variants, in this order (docs/numerics.md): scores s = scale * q . k;
+  // soft-capping; + ALiBi; masks (lengths, causal, window); softmax with the
+  // sink logit in its denominator; dropout.
+  //
+  // Sliding window around row i's diagonal i + causal_offset[b] (0 without
+  // offsets): row i attends only kv j with
+  //   i + offset - window_left <= j <= i + offset + window_right;
+  // a negative bound is no bound on that side (causal bounds the right side
+  // by itself).
+  int64_t window_left = -1, window_right = -1;
+  // Logit soft-capping: s becomes softcap * tanh(s / softcap). 0 = off.
+  double softcap = 0.0;
+  // ALiBi: s(i, j) -= slope(b, h) * |i + offset - j|, slope(b, h) =
+  // alibi_slopes[b * alibi_batch_stride + h * alibi_head_stride] (float64,
+  // so that float64 calls keep their precision; a stride of 0 broadcasts).
+  // nullptr = off.
+  const double* alibi_slopes = nullptr;
+  int64_t alibi_batch_stride = 0, alibi_head_stride = 0;
+  // Attention sinks: the logit sink(b, h) = sinks[b * sinks_batch_stride +
+  // h * sinks_head_stride] (float64) joins every row's softmax denominator
+  // and adds no value; lse includes it. nullptr = off. The backward pass
+  // writes d(sink) per (b, h) into dsinks ([batch, heads] dense, float64).
+  const double* sinks = nullptr;
+  int64_t sinks_batch_stride = 0, sinks_head_stride = 0;
+  double* dsinks = nullptr;
+
   bool has_dropout() const { return dropout_p > 0.0; }
+  bool has_window() const { return window_left >= 0 || window_right >= 0; }
+  bool has_softcap() const { return softcap > 0.0; }
+  // Whether scores need more than scaling (soft-capping or ALiBi).
+  bool modifies_scores() const { return has_softcap() || alibi_slopes != nullptr; }
   int64_t group_size() const { return heads / kv_heads; }  // query heads per kv head
 
   // Everything a caller can get wrong in the fields above, without reading
@@ -212,6 +242,12 @@ inline std::string AttentionKernelParams::validate(bool backward, ElementTypeSet
   if (!(dropout_p >= 0.0 && dropout_p <= 1.0))
     return op + "dropout_p must be in [0, 1], got " + std::to_string(dropout_p);
   if (!std::isfinite(scale)) return op + "scale must be finite, got " + std::to_string(scale);
+  if (!(softcap >= 0.0) || !std::isfinite(softcap))
+    return op + "softcap must be finite and >= 0 (0 = off), got " + std::to_string(softcap);
+  if (backward && sinks != nullptr && batch * heads > 0 && dsinks == nullptr)
+    return op + "sinks need dsinks ([batch, heads] float64) in the backward pass";
+  if (alibi_batch_stride < 0 || alibi_head_stride < 0 || sinks_batch_stride < 0 || sinks_head_stride < 0)
+    return op + "alibi_slopes and sinks need strides >= 0";
 
   struct T {
     const char* name;

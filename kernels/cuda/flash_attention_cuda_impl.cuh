@@ -72,6 +72,15 @@ struct DeviceParams {
   uint32_t rng_offset;
   DropoutRule rule;  // common/attention_mask.h's keep rule
   float keep_scale;  // rule.keep_scale in float32
+  // Variants (attention_params.h): window bounds (< 0 = none), the soft cap
+  // in log2 units (0 = off), ALiBi slopes and sink logits per (b, h).
+  int64_t window_left, window_right;
+  float cap_log2;
+  const double* alibi_slopes;
+  int64_t alibi_batch, alibi_head;
+  const double* sinks;
+  int64_t sinks_batch, sinks_head;
+  double* dsinks;  // [batch, heads], zeroed before the backward kernels
 };
 
 // 64-bit min without relying on which overloads CUDA's headers declare.
@@ -79,7 +88,24 @@ __host__ __device__ constexpr int64_t min64(int64_t a, int64_t b) { return a < b
 
 // The mask of batch entry b (common/attention_mask.h).
 __device__ inline EntryMask entry_mask_of(const DeviceParams& p, int b) {
-  return entry_mask(p.q_lengths, p.kv_lengths, p.causal_offset, p.causal, p.seqlen_q, p.seqlen_k, b);
+  return entry_mask(p.q_lengths, p.kv_lengths, p.causal_offset, p.causal, p.seqlen_q, p.seqlen_k, b, p.window_left,
+                    p.window_right);
+}
+
+// Soft-capping and ALiBi of (b, h) (common/attention_mask.h), in log2 units.
+__device__ inline ScoreMod<float> score_mod_of(const DeviceParams& p, const EntryMask& m, int b, int h) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  ScoreMod<float> mod;
+  mod.cap = p.cap_log2;
+  mod.slope = p.alibi_slopes ? static_cast<float>(p.alibi_slopes[b * p.alibi_batch + h * p.alibi_head]) * kLog2e : 0.f;
+  mod.offset = m.offset;
+  return mod;
+}
+
+// The sink logit of (b, h) in log2 units, or -inf without sinks.
+__device__ inline float sink_log2_of(const DeviceParams& p, int b, int h) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  return p.sinks ? static_cast<float>(p.sinks[b * p.sinks_batch + h * p.sinks_head]) * kLog2e : -INFINITY;
 }
 
 // --- dropout: attention_mask.h's keying and keep rule ---
@@ -214,6 +240,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
   const int mb = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int64_t m0 = int64_t{mb} * BM;
   const EntryMask mask = entry_mask_of(p, b);
+  const ScoreMod<float> mod = score_mod_of(p, mask, b, h);
   const int hk = h / p.group;
   const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
 
@@ -236,7 +263,11 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
   float o[D / 8][4];
 #pragma unroll
   for (int t = 0; t < D / 8; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
-  float row_max[2] = {-kInf, -kInf}, row_sum[2] = {0.f, 0.f};
+  // A sink logit starts each row's softmax: its weight 2^(sink - max) is in
+  // the sum (held by lane tig 0 of the quad, whose sums are added at the end).
+  const float sink = sink_log2_of(p, b, h);
+  float row_max[2] = {sink, sink};
+  float row_sum[2] = {p.sinks && tig == 0 ? 1.f : 0.f, p.sinks && tig == 0 ? 1.f : 0.f};
 
   if (n_blocks > nb_begin) {
     const int64_t nb0 = int64_t{nb_begin} * BN;
@@ -273,14 +304,16 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
         }
       }
 
-      // Scale to base-2 units and mask; online softmax per row.
+      // Scale to base-2 units, cap, ALiBi, mask; online softmax per row.
       float mx[2] = {-kInf, -kInf};
 #pragma unroll
       for (int t = 0; t < BN / 8; ++t)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int64_t j = n0 + t * 8 + tig * 2 + (e & 1);
-          const float x = (e < 2 ? row0 : row1).contains(j) ? s[t][e] * p.scale_log2 : -kInf;
+          float x = s[t][e] * p.scale_log2, th;
+          if (mod.on()) x = mod.apply(x, e < 2 ? i0 : i1, j, th);
+          x = (e < 2 ? row0 : row1).contains(j) ? x : -kInf;
           s[t][e] = x;
           mx[e >> 1] = fmaxf(mx[e >> 1], x);
         }
@@ -361,8 +394,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
       const uint32_t v = Elem<T>::pack(o[t][2 * r] * inv, o[t][2 * r + 1] * inv);
       *reinterpret_cast<uint32_t*>(orow + t * 8 + tig * 2) = v;
     }
-    if (p.lse && tig == 0)
-      p.lse[b * p.lse_batch + h * p.lse_head + i] = l > 0.f ? row_max[r] * kLn2 + logf(l) : -kInf;
+    if (p.lse && tig == 0)  // padding rows: -inf, sinks or not
+      p.lse[b * p.lse_batch + h * p.lse_head + i] = l > 0.f && i < mask.q_len ? row_max[r] * kLn2 + logf(l) : -kInf;
   }
 }
 
@@ -387,7 +420,15 @@ __global__ void __launch_bounds__(kThreads) row_dot_kernel(const DeviceParams p)
   }
 #pragma unroll
   for (int s = 16; s > 0; s >>= 1) acc += shfl_xor(acc, s);
-  if (lane == 0) p.dsum[row] = acc;
+  if (lane == 0) {
+    p.dsum[row] = acc;
+    // d(sink) = -sum_i P_sink(i) D_i, P_sink(i) = exp(sink - lse_i).
+    if (p.sinks && i < q_len) {
+      const float lse = p.lse[b * p.lse_batch + h * p.lse_head + i];
+      const float sink = static_cast<float>(p.sinks[b * p.sinks_batch + h * p.sinks_head]);
+      atomic_add(p.dsinks + bh, static_cast<double>(-expf(sink - lse) * acc));
+    }
+  }
 }
 
 // Backward, step 2: grid (kv blocks, kv heads, batch). Each warp keeps dK and
@@ -434,6 +475,7 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
     for (int gi = 0; gi < p.group; ++gi) {
       const int h = hk * p.group + gi;
       const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
+      const ScoreMod<float> mod = score_mod_of(p, mask, b, h);
       const T* qh = static_cast<const T*>(p.q) + b * p.qs.batch + h * p.qs.head;
       const T* doh = static_cast<const T*>(p.dout) + b * p.dos.batch + h * p.dos.head;
       const float* lseh = p.lse + b * p.lse_batch + h * p.lse_head;
@@ -477,10 +519,11 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
           }
         }
 
-        // P = exp2(S scale log2e - lse log2e) where allowed, else 0; K = 1
-        // where dropout keeps, else 0; Z = K / (1 - p). X = P K (the weights
-        // that made O, before the rescale, which dV gets at the end), dP =
-        // dPd Z, dS = P (dP - D_i). st becomes X, dpt becomes dS.
+        // P = exp2(x - lse log2e) where allowed, else 0, with x the scaled,
+        // capped and ALiBi-shifted score; K = 1 where dropout keeps, else 0;
+        // Z = K / (1 - p). X = P K (the weights that made O, before the
+        // rescale, which dV gets at the end), dP = dPd Z, dS = P (dP - D_i)
+        // times the cap's derivative 1 - tanh^2. st becomes X, dpt dS.
 #pragma unroll
         for (int t = 0; t < BM / 8; ++t)
 #pragma unroll
@@ -488,14 +531,16 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
             const int c = t * 8 + tig * 2 + (e & 1);  // row within the step
             const int64_t i = m0 + c, j = e < 2 ? j0 : j1;
             const bool allowed = mask.allowed(i, j);
-            const float w = allowed ? exp2f(st[t][e] * p.scale_log2 - ld_shared(sLse + c)) : 0.f;
+            float x = st[t][e] * p.scale_log2, th = 0.f;
+            if (mod.on()) x = mod.apply(x, i, j, th);
+            const float w = allowed ? exp2f(x - ld_shared(sLse + c)) : 0.f;
             float k = 1.f, z = 1.f;
             if (p.dropout && allowed) {
               k = kept(p, dropout_bits(p, bh, static_cast<uint32_t>(i), static_cast<uint32_t>(j)));
               z = k * p.keep_scale;
             }
             st[t][e] = w * k;
-            dpt[t][e] = w * (dpt[t][e] * z - ld_shared(sDsum + c));
+            dpt[t][e] = w * (dpt[t][e] * z - ld_shared(sDsum + c)) * (1.f - th * th);
           }
 
         // dV += X^T dO and dK += dS^T Q (scaled at the end): A from the

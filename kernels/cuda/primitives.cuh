@@ -111,6 +111,7 @@ __device__ inline void block_sync() { __syncthreads(); }
 // x of lane (this lane ^ lane_mask); every lane of the warp takes part.
 __device__ inline float shfl_xor(float x, int lane_mask) { return __shfl_xor_sync(0xffffffffu, x, lane_mask); }
 __device__ inline void atomic_add(float* p, float v) { atomicAdd(p, v); }
+__device__ inline void atomic_add(double* p, double v) { atomicAdd(p, v); }
 
 // --- the runtime calls of a launch: "" on success, else what failed ---
 

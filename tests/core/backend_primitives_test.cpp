@@ -429,6 +429,8 @@ TEST_P(BackendPrimitives, UnaryMath) {
   expect_values(host(be().unary(UnaryOp::log, x)), {0, std::log(4.0), std::log(0.25), std::log(2.0)}, 1e-6);
   expect_values(host(be().unary(UnaryOp::sqrt, x)), {1, 2, 0.5, std::sqrt(2.0)}, 1e-6);
   expect_values(host(be().unary(UnaryOp::abs, make({3}, {-1.5, 0, 2}))), {1.5, 0, 2});
+  expect_values(host(be().unary(UnaryOp::tanh, make({4}, {-30, -0.5, 0, 2}))),
+                {-1, std::tanh(-0.5), 0, std::tanh(2.0)}, 1e-6);
   // edge values
   auto e = make({3}, {0, -1, -kInf});
   expect_values(host(be().unary(UnaryOp::log, e)), {-kInf, std::nan(""), std::nan("")});

@@ -115,6 +115,7 @@ inline float shfl_xor(float x, int lane_mask, emu::Site s = emu::Site::current()
 // Blocks run one at a time, threads between collectives one at a time: a
 // plain add is atomic here.
 inline void atomic_add(float* p, float v) { *p += v; }
+inline void atomic_add(double* p, double v) { *p += v; }
 
 template <class P>
 std::string allow_dynamic_smem(void (*kernel)(P), int bytes) {

@@ -43,6 +43,17 @@ std::vector<CudaKernelCase> cuda_kernel_cases() {
       add({.name = "mqa_empty_entry", .Hkv = 1, .kv_lens = {0, 65}});
       add({.name = "query_lengths_offsets", .causal = true, .q_lens = {100, 37}, .offsets = {-20, 5}});
       if (D == 64) add({.name = "no_query_rows", .Tq = 0});
+      // Variants.
+      add({.name = "all_variants_gqa_dropout", .H = 8, .Hkv = 2, .Tq = 130, .causal = true, .kv_lens = {130, 97},
+           .offsets = {0, -9}, .p = 0.2, .window_left = 50, .softcap = 3.0, .alibi = true, .sinks = true});
+      if (D == 64) {
+        add({.name = "window_causal", .Tq = 130, .causal = true, .window_left = 40});
+        add({.name = "window_two_sided", .kv_lens = {130, 57}, .offsets = {30, -5}, .window_left = 20,
+             .window_right = 10});
+        add({.name = "softcap", .scale = 0.5, .softcap = 2.0});
+        add({.name = "alibi_causal", .Tq = 130, .causal = true, .alibi = true});
+        add({.name = "sinks_empty_entry", .kv_lens = {130, 0}, .sinks = true});
+      }
     }
   // float16 with p near 1: 1 / (1 - p) = 1e5 times a weight near 1 overflows
   // float16 unless the rescale is applied in float32 at the end.
@@ -92,12 +103,14 @@ struct Oracle {
   std::vector<double> out, lse, dq, dk, dv;          // results
   std::vector<double> m_out, m_dq, m_dk, m_dv;  // magnitudes of the rounded terms
   std::vector<double> a_out, a_dq, a_dk, a_dv;  // sums of the terms' other factors (float16 subnormals)
+  std::vector<double> dsinks, m_dsinks;         // [B, H]
   int64_t kept_overflowing = 0;                 // kept exp(s - max) * 1/(1-p) above float16's max
 };
 
 Oracle oracle(const CudaKernelCase& c, const std::vector<double>& qkv, const std::vector<double>& kbuf,
               const std::vector<double>& vbuf, const View& qv, const View& kv, const View& vv,
-              const std::vector<double>& dout, double scale) {
+              const std::vector<double>& dout, double scale, const std::vector<double>& slopes,
+              const std::vector<double>& sinks) {
   const int64_t B = c.B, H = c.H, G = c.H / c.Hkv, Tq = c.Tq, Tk = c.Tk, D = c.D;
   Oracle o;
   o.out.assign(B * H * Tq * D, 0);
@@ -106,11 +119,16 @@ Oracle oracle(const CudaKernelCase& c, const std::vector<double>& qkv, const std
   o.lse.assign(B * H * Tq, -std::numeric_limits<double>::infinity());
   o.dk.assign(B * c.Hkv * Tk * D, 0);
   o.m_dk = o.dv = o.m_dv = o.a_dk = o.a_dv = o.dk;
+  o.dsinks.assign(B * H, 0);
+  o.m_dsinks = o.dsinks;
   const DropoutRule rule = dropout_rule(c.p);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = c.q_lens.empty() ? Tq : c.q_lens[b], kv_len = c.kv_lens.empty() ? Tk : c.kv_lens[b];
     const int64_t off = c.offsets.empty() ? 0 : c.offsets[b];
-    auto allowed = [&](int64_t i, int64_t j) { return i < q_len && j < kv_len && (!c.causal || j <= i + off); };
+    auto allowed = [&](int64_t i, int64_t j) {
+      return i < q_len && j < kv_len && (!c.causal || j <= i + off) &&
+             (c.window_left < 0 || j >= i + off - c.window_left) && (c.window_right < 0 || j <= i + off + c.window_right);
+    };
     for (int64_t h = 0; h < H; ++h) {
       const int64_t hk = h / G, bh = b * H + h;
       auto q = [&](int64_t i, int64_t d) { return qkv[qv.at(b, h, i, d)]; };
@@ -118,20 +136,31 @@ Oracle oracle(const CudaKernelCase& c, const std::vector<double>& qkv, const std
       auto v = [&](int64_t j, int64_t d) { return vbuf[vv.at(b, hk, j, d)]; };
       auto row = [&](int64_t i) { return (bh * Tq + i) * D; };
       auto kvrow = [&](int64_t j) { return ((b * c.Hkv + hk) * Tk + j) * D; };
-      for (int64_t i = 0; i < Tq; ++i) {
-        std::vector<double> s(Tk, -std::numeric_limits<double>::infinity()), P(Tk, 0), Z(Tk, 0);
-        double mx = -std::numeric_limits<double>::infinity();
+      const double sink = c.sinks ? sinks[h] : -std::numeric_limits<double>::infinity();
+      for (int64_t i = 0; i < q_len; ++i) {  // padding rows: out, dq = 0, lse = -inf
+        // Scores: scale, cap, ALiBi; cap' = d(capped)/d(scaled).
+        std::vector<double> s(Tk, -std::numeric_limits<double>::infinity()), P(Tk, 0), Z(Tk, 0), cap(Tk, 1);
+        double mx = sink;
+        bool any = false;
         for (int64_t j = 0; j < Tk; ++j)
           if (allowed(i, j)) {
             double dot = 0;
             for (int64_t d = 0; d < D; ++d) dot += q(i, d) * k(j, d);
             s[j] = scale * dot;
+            if (c.softcap > 0) {
+              const double t = std::tanh(s[j] / c.softcap);
+              s[j] = c.softcap * t;
+              cap[j] = 1 - t * t;
+            }
+            if (c.alibi) s[j] -= slopes[h] * std::abs(static_cast<double>(i + off - j));
             mx = std::max(mx, s[j]);
+            any = true;
           }
-        if (mx == -std::numeric_limits<double>::infinity()) continue;  // out, dq = 0; lse = -inf
-        double l = 0;
+        if (!any && !c.sinks) continue;  // out, dq = 0; lse = -inf
+        double l = c.sinks ? std::exp(sink - mx) : 0;
         for (int64_t j = 0; j < Tk; ++j) l += allowed(i, j) ? std::exp(s[j] - mx) : 0;
         o.lse[bh * Tq + i] = mx + std::log(l);
+        const double p_sink = c.sinks ? std::exp(sink - o.lse[bh * Tq + i]) : 0;
         for (int64_t j = 0; j < Tk; ++j) {
           if (!allowed(i, j)) continue;
           P[j] = std::exp(s[j] - mx) / l;
@@ -163,7 +192,7 @@ Oracle oracle(const CudaKernelCase& c, const std::vector<double>& qkv, const std
           if (!allowed(i, j)) continue;
           double dx = 0;
           for (int64_t d = 0; d < D; ++d) dx += dout[row(i) + d] * v(j, d);
-          const double dS = P[j] * (dx * Z[j] - Di), mS = std::abs(dS) + P[j] * Ei;
+          const double dS = P[j] * (dx * Z[j] - Di) * cap[j], mS = (std::abs(dS) + P[j] * Ei) * cap[j];
           for (int64_t d = 0; d < D; ++d) {
             o.dv[kvrow(j) + d] += P[j] * Z[j] * dout[row(i) + d];
             o.m_dv[kvrow(j) + d] += std::abs(P[j] * Z[j] * dout[row(i) + d]);
@@ -175,6 +204,10 @@ Oracle oracle(const CudaKernelCase& c, const std::vector<double>& qkv, const std
             o.m_dq[row(i) + d] += scale * mS * std::abs(k(j, d));
             o.a_dq[row(i) + d] += scale * std::abs(k(j, d));
           }
+        }
+        if (i < q_len) {
+          o.dsinks[bh] -= p_sink * Di;
+          o.m_dsinks[bh] += p_sink * (std::abs(Di) + Ei);
         }
       }
     }
@@ -252,7 +285,12 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   fill(nq, db, df, false);
   const std::vector<double>& kvals = c.packed_qkv ? qf : kf;
   const std::vector<double>& vvals = c.packed_qkv ? qf : vf;
-  const Oracle o = oracle(c, qf, kvals, vvals, qv, kv, vv, df, scale);
+  std::vector<double> slopes(H), sinks(H);
+  for (int64_t h = 0; h < H; ++h) {
+    slopes[h] = std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(H));
+    sinks[h] = normal(rng);
+  }
+  const Oracle o = oracle(c, qf, kvals, vvals, qv, kv, vv, df, scale, slopes, sinks);
   if (c.zero_queries) {
     EXPECT_GT(o.kept_overflowing, 0) << "the case keeps no weight that 1/(1-p) pushes past float16's range";
   }
@@ -278,6 +316,9 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   p.dropout_broadcast = c.broadcast;
   p.seed = 7;
   p.rng_offset = 3;
+  p.window_left = c.window_left;
+  p.window_right = c.window_right;
+  p.softcap = c.softcap;
 
   // cpu_flash on the same bits.
   AttentionKernelParams cp = p;
@@ -292,6 +333,9 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   cp.q_lengths = c.q_lens.empty() ? nullptr : c.q_lens.data();
   cp.kv_lengths = c.kv_lens.empty() ? nullptr : c.kv_lens.data();
   cp.causal_offset = c.offsets.empty() ? nullptr : c.offsets.data();
+  std::vector<double> cpu_dsinks(B * H, NAN);
+  if (c.alibi) cp.alibi_slopes = slopes.data(), cp.alibi_head_stride = 1;
+  if (c.sinks) cp.sinks = sinks.data(), cp.sinks_head_stride = 1, cp.dsinks = cpu_dsinks.data();
   ThreadPool pool(2);
   flash_attention_forward_cpu(cp, pool.as_parallel_for());
   flash_attention_backward_cpu(cp, pool.as_parallel_for());
@@ -301,7 +345,8 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   Buf q(runner, in_bytes), k(runner, c.packed_qkv ? 0 : nkv * 2), v(runner, c.packed_qkv ? 0 : nkv * 2),
       dout(runner, nq * 2), out(runner, nq * 2), lse(runner, rows * 4), dq(runner, nq * 2), dk(runner, nkv * 2),
       dv(runner, nkv * 2), q_lens(runner, 8 * c.q_lens.size()), kv_lens(runner, 8 * c.kv_lens.size()),
-      offsets(runner, 8 * c.offsets.size());
+      offsets(runner, 8 * c.offsets.size()), slopes_d(runner, c.alibi ? 8 * H : 0),
+      sinks_d(runner, c.sinks ? 8 * H : 0), dsinks_d(runner, c.sinks ? 8 * B * H : 0);
   auto put = [&](const Buf& dst, const void* src) {
     if (dst.bytes > 0) runner.upload(dst.p, src, dst.bytes);
   };
@@ -312,6 +357,11 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   put(q_lens, c.q_lens.data());
   put(kv_lens, c.kv_lens.data());
   put(offsets, c.offsets.data());
+  put(slopes_d, slopes.data());
+  put(sinks_d, sinks.data());
+  if (c.alibi) p.alibi_slopes = static_cast<const double*>(slopes_d.p), p.alibi_head_stride = 1;
+  if (c.sinks) p.sinks = static_cast<const double*>(sinks_d.p), p.sinks_head_stride = 1;
+  p.dsinks = static_cast<double*>(dsinks_d.p);
   auto* base = static_cast<uint16_t*>(q.p);
   p.q = base ? base + qv.offset : nullptr;
   p.k = c.packed_qkv ? (base ? base + kv.offset : nullptr) : k.p;
@@ -335,11 +385,21 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   get(g_dk.data(), dk);
   get(g_dv.data(), dv);
   get(g_lse.data(), lse);
+  std::vector<double> g_dsinks(B * H);
+  get(g_dsinks.data(), dsinks_d);
 
   compare(c, "out", o.out, o.m_out, o.a_out, g_out, cpu_out);
   compare(c, "dq", o.dq, o.m_dq, o.a_dq, g_dq, cpu_dq);
   compare(c, "dk", o.dk, o.m_dk, o.a_dk, g_dk, cpu_dk);
   compare(c, "dv", o.dv, o.m_dv, o.a_dv, g_dv, cpu_dv);
+  if (c.sinks) {
+    const double u = is_half(c.dtype) ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+    for (int64_t x = 0; x < B * H; ++x) {
+      const double tol = 2 * u * (std::abs(o.dsinks[x]) + o.m_dsinks[x]) + 1e-6;
+      EXPECT_NEAR(g_dsinks[x], o.dsinks[x], tol) << c.name << " dsinks[" << x << "], cuda_flash";
+      EXPECT_NEAR(cpu_dsinks[x], o.dsinks[x], tol) << c.name << " dsinks[" << x << "], cpu_flash";
+    }
+  }
   int64_t lse_bad = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const bool none = std::isinf(o.lse[r]);

@@ -31,6 +31,12 @@ struct CudaKernelCase {
   bool broadcast = false;
   bool zero_queries = false;  // q = 0: every allowed weight equal (the dropout overflow case)
   double scale = 0;           // 0: 1 / sqrt(D)
+  // Variants (attention_params.h): a window, soft-capping, ALiBi slopes per
+  // head (2^(-8 (h + 1) / H), shared by the batch: stride 0), sink logits per
+  // head (unit normal, shared by the batch).
+  int64_t window_left = -1, window_right = -1;
+  double softcap = 0;
+  bool alibi = false, sinks = false;
 };
 
 // GoogleTest prints a case by its name.
@@ -38,9 +44,10 @@ inline void PrintTo(const CudaKernelCase& c, std::ostream* os) { *os << c.name; 
 
 // Every case: the CUDA dual harness's cases at kernel level (cross, causal
 // self-attention, kv lengths, causal offsets, GQA, MQA, dropout, broadcast
-// dropout, packed qkv views) and the edge cases (zero-length entries, query
-// lengths, negative offsets, dropout near 1 in float16), each for bfloat16
-// and float16, head dims 64 and 128.
+// dropout, packed qkv views), the edge cases (zero-length entries, query
+// lengths, negative offsets, dropout near 1 in float16) and the variants
+// (windows, soft-capping, ALiBi, sinks, and all of them with dropout), each
+// for bfloat16 and float16, head dims 64 and 128.
 std::vector<CudaKernelCase> cuda_kernel_cases();
 
 // Where cuda_flash runs: memory it can read and write, and the two passes.

@@ -198,6 +198,87 @@ const std::map<std::string, ErrorCase>& error_cases() {
        {[](const Ex& e) {
           dot_attention(e.q, e.k, e.v, {.key_dim = e.feat, .axis = e.enc, .causal_offset = e.lens({1, 2})});
         }}},
+      // --- variants ---
+      {"window_negative",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.query_position_dim = e.time;
+          o.window = AttentionWindow{-2, std::nullopt};
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"window_empty",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.query_position_dim = e.time;
+          o.window = AttentionWindow{};
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"window_without_position",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.window = AttentionWindow{2, 2};
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"alibi_without_position",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.alibi_slopes = from_host({e.batch}, {0.5, 0.25}, e.f32);
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"window_right_with_causal",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.causal_query_spatial_dim = e.time;
+          o.causal_offset = e.lens({2, 2});
+          o.window = AttentionWindow{2, 1};
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"position_dim_not_query_only",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.query_position_dim = e.batch;
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"position_dim_not_causal_dim",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.causal_query_spatial_dim = e.time;
+          o.causal_offset = e.lens({2, 2});
+          o.query_position_dim = e.batch;
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"alibi_slopes_over_position",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.query_position_dim = e.time;
+          o.alibi_slopes = from_host({e.time}, {0.5, 0.25, 0.1}, e.f32);
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"sinks_foreign_dim",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.sinks = from_host({Dim("other", 3)}, {0, 0, 0}, e.f32);
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"sinks_not_float",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.sinks = from_host({e.batch}, {0, 0}, e.i64);
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"softcap_not_positive",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.softcap = 0.0;
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"sinks_and_off_by_one",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.sinks = from_host({e.batch}, {0, 0}, e.f32);
+          o.sink_off_by_one = true;
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
       {"causal_offset_not_integer",
        {[](const Ex& e) {
           dot_attention(e.q, e.k, e.v,

@@ -43,6 +43,12 @@ struct AttentionParams {
   bool padding = false;      // dynamic kv lengths to mask
   int64_t gqa_ratio = 1;     // query rows per kv head from query groups (GQA, beam); 1 without groups
   bool keys_only = false;    // keys/values carry dims the query lacks (broadcast)
+  // Variants present (their sizes and values never matter to the choice).
+  bool window = false;
+  bool softcap = false;
+  bool alibi = false;
+  bool sinks = false;
+  bool sinks_grad = false;   // the sinks tensor requires grad (autograd backends)
   LayoutClass layout = LayoutClass::separate;
   bool requires_grad = false;
   bool deterministic = false;  // deterministic_algorithms() (forcing.h)

@@ -21,6 +21,9 @@
 // - A dynamic `axis` masks padding; a query row without any valid kv position
 //   gives output 0 and weights 0, never NaN.
 // - Dropout acts only while the train flag is on (run_context.h).
+// - Variants (sliding window, soft-capping, ALiBi, sinks) follow a fixed order
+//   (docs/numerics.md): scale -> softcap -> + ALiBi -> masks (padding, causal,
+//   window) -> softmax with sinks -> dropout -> . values.
 #include <optional>
 
 #include "dimattn/dim.h"
@@ -28,6 +31,14 @@
 #include "dimattn/tensor.h"
 
 namespace dimattn {
+
+// A sliding window in kv positions around each query row's diagonal
+// i + causal_offset: row i attends kv j with
+// i + offset - left <= j <= i + offset + right. An unset side is unbounded;
+// with causal attention `right` must be unset or 0.
+struct AttentionWindow {
+  std::optional<int64_t> left, right;
+};
 
 struct AttentionOptions {
   Dim key_dim;  // feature dim shared by query and keys, reduced in q·k
@@ -44,6 +55,25 @@ struct AttentionOptions {
   std::optional<Tensor> causal_offset;
   // Default: 1/sqrt(extent(key_dim)).
   std::optional<double> scale;
+
+  // --- variants (docs/api.md) ---
+  // The query's positional dim, along which windows and ALiBi measure
+  // distance (row i of the diagonal i + causal_offset). For causal attention
+  // it is causal_query_spatial_dim (set it to that or leave it unset);
+  // windows and ALiBi without causal need it: it is never guessed.
+  std::optional<Dim> query_position_dim;
+  std::optional<AttentionWindow> window;
+  // Energies become softcap * tanh(energy / softcap) (Gemma 2). > 0.
+  std::optional<double> softcap;
+  // ALiBi: energies get -slope * |i + offset - j|; a float tensor over
+  // (a subset of) the call's batch dims, usually heads (BLOOM, MPT).
+  std::optional<Tensor> alibi_slopes;
+  // Attention sinks: a float logit over (a subset of) the call's batch dims,
+  // usually heads, that joins every row's softmax denominator and carries no
+  // value (GPT-OSS); learnable (gradients flow to it).
+  std::optional<Tensor> sinks;
+  // The fixed "off-by-one" sink: logit 0 in every row's denominator.
+  bool sink_off_by_one = false;
 };
 
 Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& opts);
@@ -56,6 +86,7 @@ Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& valu
 // the forward call, so that the same mask is drawn.
 struct AttentionGrads {
   Tensor query, keys, values;  // dims as the inputs
+  std::optional<Tensor> sinks;  // with opts.sinks: over its dims
 };
 AttentionGrads dot_attention_backward(const Tensor& query, const Tensor& keys, const Tensor& values,
                                       const AttentionOptions& opts, const Tensor& grad_output);

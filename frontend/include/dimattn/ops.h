@@ -79,6 +79,7 @@ Tensor exp(const Tensor& x);
 Tensor log(const Tensor& x);
 Tensor sqrt(const Tensor& x);
 Tensor abs(const Tensor& x);
+Tensor tanh(const Tensor& x);
 enum class Compare { eq, ne, lt, le, gt, ge };
 Tensor compare(const Tensor& a, Compare op, const Tensor& b);  // -> bool
 Tensor logical_and(const Tensor& a, const Tensor& b);

@@ -36,7 +36,7 @@ BackwardPlan plan_backward(const AttentionKernelParams& p) {
 template <class S, class A>
 struct BackwardScratch {
   int64_t dp, dvp, ldk;
-  A *qf, *dof, *lse2, *di, *dq, *dkacc, *dvacc, *kt, *kr, *vt, *s, *dpt, *x, *z;
+  A *qf, *dof, *lse2, *di, *dq, *dkacc, *dvacc, *kt, *kr, *vt, *s, *dpt, *x, *z, *th;
   Arena<A> arena;
   std::vector<int64_t> nv, kbeg;  // causal tile bounds, see backward_task
   BackwardScratch(const AttentionKernelParams& p, const BackwardPlan& plan)
@@ -46,7 +46,8 @@ struct BackwardScratch {
         arena(Arena<A>::need({p.seqlen_q * dp, p.seqlen_q * dvp, p.seqlen_q, p.seqlen_q,
                               plan.chunks == 1 ? p.seqlen_q * dp : 0, plan.chunk_len * dp, plan.chunk_len * dvp,
                               p.head_dim * ldk, plan.bk * round_up(dp, 2 * Simd<A>::W), p.head_dim_v * ldk,
-                              plan.bq * ldk, plan.bq * ldk, plan.bq * ldk, plan.bq * ldk})) {
+                              plan.bq * ldk, plan.bq * ldk, plan.bq * ldk, plan.bq * ldk,
+                              p.has_softcap() ? plan.bq * ldk : 0})) {
     qf = arena.take(p.seqlen_q * dp);
     dof = arena.take(p.seqlen_q * dvp);
     lse2 = arena.take(p.seqlen_q);
@@ -61,6 +62,7 @@ struct BackwardScratch {
     dpt = arena.take(plan.bq * ldk);
     x = arena.take(plan.bq * ldk);
     z = arena.take(plan.bq * ldk);
+    th = arena.take(p.has_softcap() ? plan.bq * ldk : 0);  // tanh of the capped scores
     nv.resize(static_cast<size_t>(plan.bq));
     kbeg.resize(static_cast<size_t>(plan.bk));
   }
@@ -99,6 +101,7 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
   for (int64_t g = 0; g < G; ++g) {
     const int64_t h = hk * G + g;
     const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
+    const ScoreMod<A> mod = score_mod_of<A>(p, mask, b, h);
     A* dq = share ? share + g * Tq * dp : w.dq;  // indexed by absolute row
     if (share) fill(share + g * Tq * dp, Tq * dp, A(0));
 
@@ -134,9 +137,12 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
           drop.broadcast_factors(j0, n, drop.keep_scale, w.z);
           fill(w.z + n, np - n, A(0));
         }
+        // The tile's rows: from the first that reaches j0 to the last that
+        // reaches its last position (a window's band, else every later row).
         const int64_t it0 = std::max(i_start, mask.rows_reaching(j0).lo);
-        for (int64_t i0 = it0; i0 < i_end; i0 += plan.bq) {
-          const int64_t mm = std::min(plan.bq, i_end - i0);
+        const int64_t it1 = std::min(i_end, mask.rows_reaching(j0 + n - 1).hi);
+        for (int64_t i0 = it0; i0 < it1; i0 += plan.bq) {
+          const int64_t mm = std::min(plan.bq, it1 - i0);
           const A* qi = w.qf + (i0 - i_start) * dp;
           const A* doi = w.dof + (i0 - i_start) * dvp;
           const A* lse2 = w.lse2 + (i0 - i_start);
@@ -151,6 +157,9 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
             nvs = w.nv.data();
             kbeg = w.kbeg.data();
           }
+          // A window's left edge inside the tile: row r's positions start at lb(r).
+          const bool windowed = mask.lo(i0 + mm - 1) > j0;
+          auto lb = [&](int64_t r) { return windowed ? std::clamp<int64_t>(mask.lo(i0 + r) - j0, 0, n) : 0; };
 
           // P = exp(scale * Q K^T - lse), recomputed; 0 past each row's prefix.
           gemm_set(mm, np, D, qi, dp, panel_major(w.kt, D), w.s, ldk, Ragged{nvs, nullptr, nullptr});
@@ -165,12 +174,23 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
               prefetch_part(dq + (i0 + plan.bq) * dp, next_rows * dp * static_cast<int64_t>(sizeof(A)), r, mm);
             }
             A* srow = w.s + r * ldk;
-            const int64_t nv = partial ? nvs[r] : n;
-            if (nv == 0 || lse2[r] == -kInf) {
+            const int64_t nv = partial ? nvs[r] : n, lr = lb(r);
+            if (nv <= lr || lse2[r] == -kInf) {
               fill(srow, np, A(0));
               continue;
             }
-            exp2_row(srow, round_up(nv, W), qk_mul, lse2[r]);
+            if (mod.on()) {  // the forward's scores: scaled, capped, ALiBi
+              A* th = p.has_softcap() ? w.th + r * ldk : nullptr;
+              A t;
+              for (int64_t c = lr; c < nv; ++c) {
+                srow[c] = mod.apply(srow[c] * qk_mul, i0 + r, j0 + c, t);
+                if (th) th[c] = t;
+              }
+              exp2_row(srow, round_up(nv, W), A(1), lse2[r]);
+            } else {
+              exp2_row(srow, round_up(nv, W), qk_mul, lse2[r]);
+            }
+            fill(srow, lr, A(0));
             fill(srow + nv, np - nv, A(0));
           }
           // dPd = dO V^T (the gradient of the dropped-out weights); defined
@@ -202,6 +222,10 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
             const V dvec = Simd<A>::splat(di[r]);
             for (int64_t c = 0; c < npr; c += W) vstore(drow + c, vload<V>(prow + c) * (vload<V>(drow + c) - dvec));
             fill(drow + npr, np - npr, A(0));
+            if (p.has_softcap()) {  // through the cap: d(capped)/dx = 1 - tanh^2
+              const A* th = w.th + r * ldk;
+              for (int64_t c = lb(r); c < nv; ++c) drow[c] *= A(1) - th[c] * th[c];
+            }
           }
           if (drop.on) x = w.x;
           // dV += X^T dO, dK += dS^T Q and dQ += dS K (dK, dQ scaled at the end).
@@ -251,6 +275,28 @@ void backward(const AttentionKernelParams& p, const ParallelFor& parallel_for) {
   const int64_t dp = round_up(std::max<int64_t>(D, 1), Simd<A>::W);
   const int64_t groups = p.batch * p.kv_heads;
   if (groups == 0) return;
+  if (p.sinks) {
+    // d(sink) = -sum_i P_sink(i) D_i with P_sink(i) = exp(sink - lse_i) and
+    // D_i = rowsum(dO o O), per (b, h).
+    parallel_for(0, p.batch * p.heads, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t b = t / p.heads, h = t % p.heads;
+        const EntryMask mask = entry_mask_of(p, b);
+        const S* o = static_cast<const S*>(p.out) + b * p.out_strides.batch + h * p.out_strides.head;
+        const S* dout = static_cast<const S*>(p.dout) + b * p.dout_strides.batch + h * p.dout_strides.head;
+        const A* lse = static_cast<const A*>(p.lse) + b * p.lse_batch_stride + h * p.lse_head_stride;
+        const A sink = static_cast<A>(p.sinks[b * p.sinks_batch_stride + h * p.sinks_head_stride]);
+        A acc = 0;
+        for (int64_t i = 0; i < std::min(mask.q_len, Tq); ++i) {
+          A di = 0;
+          for (int64_t c = 0; c < p.head_dim_v; ++c)
+            di += to_acc(dout[i * p.dout_strides.row + c]) * to_acc(o[i * p.out_strides.row + c]);
+          acc -= std::exp(sink - lse[i]) * di;
+        }
+        p.dsinks[t] = static_cast<double>(acc);
+      }
+    });
+  }
   if (p.seqlen_k == 0) {
     // No kv positions: dq is all zeros, dk and dv are empty.
     parallel_for(0, p.batch * p.heads, [&](int64_t t0, int64_t t1) {

@@ -49,5 +49,25 @@ struct DropoutSpec {
 
 // The mask of batch entry b of a call.
 inline EntryMask entry_mask_of(const AttentionKernelParams& p, int64_t b) {
-  return entry_mask(p.q_lengths, p.kv_lengths, p.causal_offset, p.causal, p.seqlen_q, p.seqlen_k, b);
+  return entry_mask(p.q_lengths, p.kv_lengths, p.causal_offset, p.causal, p.seqlen_q, p.seqlen_k, b, p.window_left,
+                    p.window_right);
+}
+
+// Soft-capping and ALiBi of (b, h), in log2 units (common/attention_mask.h).
+template <class A>
+ScoreMod<A> score_mod_of(const AttentionKernelParams& p, const EntryMask& m, int64_t b, int64_t h) {
+  constexpr double kLog2e = 1.4426950408889634;
+  ScoreMod<A> mod;
+  mod.cap = static_cast<A>(p.softcap * kLog2e);
+  if (p.alibi_slopes)
+    mod.slope = static_cast<A>(p.alibi_slopes[b * p.alibi_batch_stride + h * p.alibi_head_stride] * kLog2e);
+  mod.offset = m.offset;
+  return mod;
+}
+
+// The sink logit of (b, h) in log2 units, or -inf without sinks.
+template <class A>
+A sink_log2_of(const AttentionKernelParams& p, int64_t b, int64_t h) {
+  if (!p.sinks) return -std::numeric_limits<A>::infinity();
+  return static_cast<A>(p.sinks[b * p.sinks_batch_stride + h * p.sinks_head_stride] * 1.4426950408889634);
 }

@@ -22,7 +22,8 @@ struct ForwardScratch {
   int64_t single = -1;              // one slot: the tile it holds
   A *qs, *kt, *vs, *s, *o, *m, *l, *z;
   Arena<A> arena;
-  std::vector<int64_t> nv;  // per row: valid positions of the current tile
+  std::vector<int64_t> nv;  // per row: end of its valid positions in the current tile
+  std::vector<int64_t> lb;  // per row: start of them (windows)
 
   static int64_t slots_for(const AttentionKernelParams& p, int64_t bq, int64_t bk, int64_t ldk, int64_t dvp) {
     // A kv head's tiles are read again only by its next query block or by
@@ -53,6 +54,7 @@ struct ForwardScratch {
     l = arena.take(bq);
     z = arena.take(ldk);
     nv.resize(static_cast<size_t>(bq));
+    lb.resize(static_cast<size_t>(bq));
   }
 
   // Makes kv tile t of (b, hk) available and returns its slot. A tile holds
@@ -87,6 +89,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
   constexpr A kInf = std::numeric_limits<A>::infinity();
   const int64_t D = p.head_dim, Dv = p.head_dim_v, dvp = w.dvp, ldk = w.ldk;
   const EntryMask mask = entry_mask_of(p, b);
+  const ScoreMod<A> mod = score_mod_of<A>(p, mask, b, h);
   const int64_t hk = h / p.group_size();
   const S* q = static_cast<const S*>(p.q) + b * p.q_strides.batch + h * p.q_strides.head;
   const S* k = static_cast<const S*>(p.k) + b * p.k_strides.batch + hk * p.k_strides.head;
@@ -109,8 +112,9 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
   // Scores in log2 units: exp(scale * q.k) = 2^(q' . k) with q' = q * scale * log2(e).
   const A qmul = static_cast<A>(p.scale * 1.4426950408889634);
   pack_rows(q + r0 * qrs, qrs, m, D, w.qs, D, qmul);
-  fill(w.m, m, -kInf);
-  fill(w.l, m, A(0));
+  // A sink logit starts each row's softmax: weight 2^(sink - max) in the sum.
+  fill(w.m, m, sink_log2_of<A>(p, b, h));
+  fill(w.l, m, p.sinks ? A(1) : A(0));
   fill(w.o, m * dvp, A(0));
   const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
 
@@ -130,6 +134,10 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
       for (int64_t r = 0; r < m; ++r) w.nv[r] = std::clamp<int64_t>(mask.hi(r0 + r) - j0, 0, n);
       nvs = w.nv.data();
     }
+    // A window's left edge inside the tile: row r's positions start at lb[r].
+    const bool windowed = mask.lo(rv - 1) > j0;
+    if (windowed)
+      for (int64_t r = 0; r < m; ++r) w.lb[r] = std::clamp<int64_t>(mask.lo(r0 + r) - j0, 0, n);
     BMat<A> vmat;
     if constexpr (std::is_same_v<S, A>) {
       if (direct) {
@@ -155,12 +163,17 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
         prefetch_part(w.vs + next * w.vslot, w.vslot * static_cast<int64_t>(sizeof(A)), r, m);
       }
       A* srow = w.s + r * ldk;
-      const int64_t nv = partial ? nvs[r] : n;
-      if (nv == 0) {  // nothing to attend here: zero weights, state unchanged
+      const int64_t nv = partial ? nvs[r] : n, lb = windowed ? w.lb[r] : 0;
+      if (nv <= lb) {  // nothing to attend here: zero weights, state unchanged
         fill(srow, np, A(0));
         continue;
       }
       const int64_t npr = round_up(nv, W);
+      if (mod.on()) {  // scores are q' . k = x (log2 units): cap, ALiBi
+        A t;
+        for (int64_t c = lb; c < nv; ++c) srow[c] = mod.apply(srow[c], r0 + r, j0 + c, t);
+      }
+      fill(srow, lb, -kInf);
       fill(srow + nv, npr - nv, -kInf);
       const A mnew = std::max(w.m[r], row_max(srow, npr));
       const A alpha = std::exp2(w.m[r] - mnew);  // 0 on the row's first tile
@@ -183,7 +196,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
 
   for (int64_t r = 0; r < m; ++r) {
     const int64_t i = r0 + r;
-    if (w.l[r] == A(0)) {  // attended nothing (a NaN sum falls through: NaN in, NaN out)
+    if (w.l[r] == A(0)) {  // attended nothing, no sink (a NaN sum falls through: NaN in, NaN out)
       write_empty_row(i);
       continue;
     }

@@ -38,6 +38,17 @@ struct AttentionCall {
   bool dropout_broadcast = false;
   uint64_t dropout_seed = 0;
   uint64_t dropout_offset = 0;
+  // Variants (AttentionOptions; order in docs/numerics.md). With a window or
+  // ALiBi, query_spatial is the query's positional dim. Negative window
+  // bounds are unbounded. alibi_slopes and sinks are float tensors over a
+  // subset of batch ∪ keys_only ∪ query_groups.
+  int64_t window_left = -1, window_right = -1;
+  double softcap = 0.0;  // 0 = off
+  std::optional<Tensor> alibi_slopes;
+  std::optional<Tensor> sinks;  // the off-by-one sink is a zero scalar here
+
+  bool has_window() const { return window_left >= 0 || window_right >= 0; }
+  bool positional() const { return causal || has_window() || alibi_slopes.has_value(); }
 };
 
 // The keep mask of the call's attention dropout, drawn from the shared Philox
@@ -53,6 +64,7 @@ Tensor attention_dropout_keep_mask(const AttentionCall& call, const Tensor& like
 // belongs to, in any order (keys/values may carry broadcast dims they lack).
 struct AttentionCallGrads {
   Tensor query, keys, values;
+  std::optional<Tensor> sinks;  // over the call's sinks dims, when it has sinks
 };
 
 }  // namespace dimattn

@@ -25,7 +25,7 @@ namespace dimattn {
 using Shape = std::vector<int64_t>;
 
 enum class BinaryOp { add, sub, mul, div, maximum, minimum, eq, ne, lt, le, gt, ge, logical_and, logical_or };
-enum class UnaryOp { neg, exp, log, sqrt, abs, logical_not };
+enum class UnaryOp { neg, exp, log, sqrt, abs, logical_not, tanh };
 enum class ReduceOp { sum, max, min, mean, logsumexp };
 enum class RandomKind { normal, uniform };
 
@@ -129,8 +129,10 @@ class Backend {
 // extent when `expand`): the name -> axis mapping every op and adapter uses.
 // Throws, naming `op`, when x has a dim that `order` lacks.
 RawPtr raw_in_order(const char* op, const Tensor& x, const Dims& order, bool expand);
-// An integer tensor's values (lengths, offsets) over `order` (dims it lacks
-// broadcast), row-major, on the host. pre: t's dims are in order.
+// A tensor's values over `order` (dims it lacks broadcast), row-major, on the
+// host: integers (lengths, offsets) and floats (ALiBi slopes, sinks).
+// pre: t's dims are in order.
 std::vector<int64_t> host_ints(const Tensor& t, const Dims& order);
+std::vector<double> host_values(const Tensor& t, const Dims& order);
 
 }  // namespace dimattn

@@ -1,0 +1,222 @@
+// Attention variants (sliding windows, soft-capping, ALiBi, sinks): the
+// reference path against float64 loops, cpu_flash against the reference path
+// (outputs, and gradients of q, k, v and the sinks), the selection's reasons.
+// Bad options are rows of docs/errors.md (tests/reliability/bad_input_test.cpp).
+#include <cmath>
+#include <limits>
+
+#include "dimattn/attention.h"
+#include "dimattn/forcing.h"
+#include "dimattn/registry.h"
+#include "dimattn/run_context.h"
+#include "support/test_util.h"
+
+namespace dimattn {
+namespace {
+using testing::error_of;
+using testing::max_abs_diff;
+
+struct Variant {
+  std::string name;
+  bool causal = false;
+  std::optional<int64_t> left, right;  // window
+  double softcap = 0;
+  bool alibi = false, sinks = false, off_by_one = false;
+  std::vector<double> offsets;  // per batch entry (B = 2); empty = none
+  std::vector<double> lengths;  // kv lengths per batch entry; empty = static
+  double dropout = 0;
+};
+
+std::vector<Variant> variants() {
+  return {
+      {.name = "window_causal_offsets", .causal = true, .left = 3, .offsets = {2, 2}},
+      {.name = "window_two_sided_offsets", .left = 2, .right = 1, .offsets = {3, -1}},
+      {.name = "window_left_only_lengths", .left = 2, .lengths = {7, 3}},
+      {.name = "softcap", .softcap = 0.7},
+      {.name = "alibi_causal_offsets", .causal = true, .alibi = true, .offsets = {2, 0}},
+      {.name = "sinks_lengths_empty_entry", .sinks = true, .lengths = {7, 0}},
+      {.name = "off_by_one_causal", .causal = true, .off_by_one = true, .offsets = {1, 2}},
+      {.name = "all_with_dropout", .causal = true, .left = 4, .softcap = 1.5, .alibi = true, .sinks = true,
+       .offsets = {2, 1}, .lengths = {7, 5}, .dropout = 0.3},
+  };
+}
+
+constexpr int B = 2, H = 3, Tq = 5, Tk = 7, D = 4, Dv = 3;
+
+// The options' semantics as float64 loops over [B][H][Tq][Tk] (no dropout).
+std::vector<double> loop_attention(const Variant& v, const std::vector<double>& q, const std::vector<double>& k,
+                                   const std::vector<double>& val, const std::vector<double>& slopes,
+                                   const std::vector<double>& sinks, double scale) {
+  std::vector<double> out(B * H * Tq * Dv, 0.0);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < Tq; ++i) {
+        const double off = v.offsets.empty() ? 0 : v.offsets[b];
+        const double len = v.lengths.empty() ? Tk : v.lengths[b];
+        std::vector<double> e(Tk, -INFINITY);
+        double mx = v.sinks ? sinks[h] : v.off_by_one ? 0.0 : -INFINITY;
+        for (int j = 0; j < Tk; ++j) {
+          const double d = i + off - j;  // distance to the diagonal
+          const bool ok = j < len && (!v.causal || d >= 0) && (!v.left || d <= static_cast<double>(*v.left)) &&
+                          (!v.right || d >= -static_cast<double>(*v.right));
+          if (!ok) continue;
+          double s = 0;
+          for (int c = 0; c < D; ++c) s += q[((b * H + h) * Tq + i) * D + c] * k[((b * H + h) * Tk + j) * D + c];
+          s *= scale;
+          if (v.softcap > 0) s = v.softcap * std::tanh(s / v.softcap);
+          if (v.alibi) s -= slopes[h] * std::abs(d);
+          e[j] = s;
+          mx = std::max(mx, s);
+        }
+        if (mx == -INFINITY) continue;
+        double z = v.sinks ? std::exp(sinks[h] - mx) : v.off_by_one ? std::exp(-mx) : 0.0;
+        for (int j = 0; j < Tk; ++j) z += std::exp(e[j] - mx);
+        for (int j = 0; j < Tk; ++j)
+          for (int c = 0; c < Dv; ++c)
+            out[((b * H + h) * Tq + i) * Dv + c] += std::exp(e[j] - mx) / z * val[((b * H + h) * Tk + j) * Dv + c];
+      }
+  return out;
+}
+
+// One call's operands and options for a variant, on a backend.
+struct Call {
+  Dim batch{"batch", B}, heads{"heads", H}, tq{"tq", Tq}, feat{"feat", D}, vfeat{"vfeat", Dv};
+  Dim tk;
+  Tensor q, k, v;
+  std::optional<Tensor> slopes, sinks;
+  AttentionOptions opts;
+
+  Call(const Variant& var, DType dtype, const std::string& backend)
+      : tk(var.lengths.empty()
+               ? Dim("tk", Tk)
+               : Dim::dynamic("tk", from_host({batch}, var.lengths, {.dtype = DType::int64, .backend = backend}), Tk)),
+        q(random_normal({batch, heads, tq, feat}, 1, {.dtype = dtype, .backend = backend})),
+        k(random_normal({batch, heads, tk, feat}, 2, {.dtype = dtype, .backend = backend})),
+        v(random_normal({batch, heads, tk, vfeat}, 3, {.dtype = dtype, .backend = backend})),
+        opts{.key_dim = feat, .axis = tk} {
+    const TensorOptions o{.dtype = dtype, .backend = backend};
+    if (var.causal)
+      opts.causal_query_spatial_dim = tq;
+    else if (var.left || var.right || var.alibi)
+      opts.query_position_dim = tq;
+    if (!var.offsets.empty())
+      opts.causal_offset = from_host({batch}, var.offsets, {.dtype = DType::int64, .backend = backend});
+    if (var.left || var.right) opts.window = AttentionWindow{var.left, var.right};
+    if (var.softcap > 0) opts.softcap = var.softcap;
+    if (var.alibi) opts.alibi_slopes = slopes = from_host({heads}, {0.5, 0.25, 0.125}, o);
+    if (var.sinks) opts.sinks = sinks = from_host({heads}, {0.3, -1.0, 2.0}, o);
+    opts.sink_off_by_one = var.off_by_one;
+    opts.att_dropout = var.dropout;
+  }
+};
+
+using AttentionVariants = ::testing::TestWithParam<std::string>;
+
+TEST_P(AttentionVariants, ReferenceMatchesFloat64Loops) {
+  int ran = 0;
+  for (const Variant& var : variants()) {
+    if (var.dropout > 0) continue;
+    SCOPED_TRACE(var.name);
+    Call c(var, DType::float64, GetParam());
+    const std::vector<double> slopes = {0.5, 0.25, 0.125}, sinks = {0.3, -1.0, 2.0};
+    ForceKernels force("reference");
+    const Tensor out = dot_attention(c.q, c.k, c.v, c.opts);
+    const std::vector<double> want = loop_attention(var, to_host(c.q, Dims{c.batch, c.heads, c.tq, c.feat}),
+                                                    to_host(c.k, Dims{c.batch, c.heads, c.tk, c.feat}),
+                                                    to_host(c.v, Dims{c.batch, c.heads, c.tk, c.vfeat}), slopes, sinks,
+                                                    1.0 / std::sqrt(static_cast<double>(D)));
+    const std::vector<double> got = to_host(out, Dims{c.batch, c.heads, c.tq, c.vfeat});
+    double worst = 0;
+    for (size_t x = 0; x < want.size(); ++x) worst = std::max(worst, std::abs(got[x] - want[x]));
+    EXPECT_LT(worst, 1e-12);
+    ++ran;
+  }
+  EXPECT_EQ(ran, 7);
+}
+
+// cpu_flash computes every variant; with dropout too (the shared Philox mask).
+TEST_P(AttentionVariants, CpuFlashMatchesTheReferencePath) {
+  int ran = 0;
+  for (DType dtype : {DType::float64, DType::float32})
+    for (const Variant& var : variants()) {
+      SCOPED_TRACE(var.name + " " + dtype_name(dtype));
+      Call c(var, dtype, GetParam());
+      TrainFlagScope train(true);
+      set_random_seed(11);
+      auto run = [&](const char* kernel) {
+        set_random_seed(11);
+        ForceKernels force(kernel);
+        return dot_attention(c.q, c.k, c.v, c.opts);
+      };
+      const Tensor ref = run("reference"), fused = run("cpu_flash");
+      EXPECT_LT(max_abs_diff(fused, ref, ref.dims()), reference_tolerance(dtype));
+      ++ran;
+    }
+  EXPECT_EQ(ran, 16);
+}
+
+// Gradients of q, k, v and the sinks: cpu_flash's backward (torch: its
+// autograd function; Eigen: dot_attention_backward) against the reference
+// path's autograd on the torch backend.
+TEST_P(AttentionVariants, CpuFlashGradientsMatchTheReferencePath) {
+  if (!has_backend("torch")) GTEST_SKIP() << "the reference gradients come from the torch backend's autograd";
+  int ran = 0;
+  for (const Variant& var : variants()) {
+    SCOPED_TRACE(var.name);
+    const double tol = 2 * reference_tolerance(DType::float64);
+    Call c(var, DType::float64, GetParam());
+    const Tensor dout = random_normal({c.batch, c.heads, c.tq, c.vfeat}, 9, {.dtype = DType::float64,
+                                                                             .backend = GetParam()});
+    TrainFlagScope train(true);
+    // The reference path's autograd on torch, the same operands.
+    Call r = c;
+    auto leaf = [](const Tensor& x) { return to_backend(x, "torch").requires_grad(true); };
+    r.q = leaf(c.q), r.k = leaf(c.k), r.v = leaf(c.v);
+    if (c.sinks) r.opts.sinks = leaf(*c.sinks);
+    if (c.slopes) r.opts.alibi_slopes = to_backend(*c.slopes, "torch");
+    if (c.opts.causal_offset) r.opts.causal_offset = to_backend(*c.opts.causal_offset, "torch");
+    set_random_seed(5);
+    {
+      ForceKernels force("reference");
+      reduce_sum(mul(dot_attention(r.q, r.k, r.v, r.opts), to_backend(dout, "torch")), dout.dims()).backward();
+    }
+    // cpu_flash's gradients on this test's backend.
+    set_random_seed(5);
+    ForceKernels force("cpu_flash");
+    auto fused_grads = [&]() -> AttentionGrads {
+      if (GetParam() != "torch") return dot_attention_backward(c.q, c.k, c.v, c.opts, dout);
+      Call f = c;
+      f.q = leaf(c.q), f.k = leaf(c.k), f.v = leaf(c.v);
+      if (c.sinks) f.opts.sinks = leaf(*c.sinks);
+      reduce_sum(mul(dot_attention(f.q, f.k, f.v, f.opts), dout), dout.dims()).backward();
+      return {*f.q.grad(), *f.k.grad(), *f.v.grad(), c.sinks ? f.opts.sinks->grad() : std::nullopt};
+    };
+    const AttentionGrads g = fused_grads();
+    EXPECT_LT(max_abs_diff(g.query, *r.q.grad(), c.q.dims()), tol) << "dq";
+    EXPECT_LT(max_abs_diff(g.keys, *r.k.grad(), c.k.dims()), tol) << "dk";
+    EXPECT_LT(max_abs_diff(g.values, *r.v.grad(), c.v.dims()), tol) << "dv";
+    if (c.sinks) {
+      ASSERT_TRUE(g.sinks.has_value()) << "no sinks gradient";
+      EXPECT_LT(max_abs_diff(*g.sinks, *r.opts.sinks->grad(), c.sinks->dims()), tol) << "dsinks";
+    }
+    ++ran;
+  }
+  EXPECT_EQ(ran, 8);
+}
+
+TEST_P(AttentionVariants, FusedKernelsOfAtenNameTheVariantTheyLack) {
+  if (GetParam() != "torch") GTEST_SKIP() << "ATen's kernels are the torch backend's";
+  const Variant var{.name = "window", .causal = true, .left = 3, .offsets = {2, 2}};
+  Call c(var, DType::float32, GetParam());
+  const Decision d = explain_attention(c.q, c.k, c.v, c.opts);
+  EXPECT_EQ(d.kernel, "cpu_flash") << d.explain();
+  ForceKernels force("aten_flash_cpu");
+  EXPECT_NE(error_of([&] { dot_attention(c.q, c.k, c.v, c.opts); }).find("takes no a sliding window"),
+            std::string::npos);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, AttentionVariants, ::testing::ValuesIn(backend_names()),
+                         testing::backend_param_name);
+
+}  // namespace
+}  // namespace dimattn
