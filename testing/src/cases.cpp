@@ -60,6 +60,12 @@ std::string AttentionCase::describe() const {
   if (!lengths.empty()) os << " lengths=" << join(lengths);
   if (dropout > 0) os << " dropout=" << dropout << (broadcast_dropout ? "(broadcast)" : "");
   if (scale) os << " scale=" << *scale;
+  if (window_left || window_right)
+    os << " window=[" << (window_left ? std::to_string(*window_left) : "-") << ","
+       << (window_right ? std::to_string(*window_right) : "-") << "]";
+  if (softcap) os << " softcap=" << *softcap;
+  if (alibi) os << " alibi";
+  if (sinks) os << " sinks";
   os << " seed=" << seed;
   return os.str();
 }
@@ -76,7 +82,10 @@ std::optional<std::string> invalid_reason(const AttentionCase& c) {
     return "give one kv length per batch entry (" + B + ")";
   for (int64_t l : c.lengths)
     if (l < 0 || l > c.seq_k) return "kv lengths must be in [0, " + std::to_string(c.seq_k) + "]";
-  if (!c.offsets.empty() && !c.causal) return "causal offsets need causal attention";
+  const bool positional = c.window_left || c.window_right || c.alibi;
+  if (!c.offsets.empty() && !c.causal && !positional) return "causal offsets need causal attention, a window or ALiBi";
+  if (positional && c.kind == Kind::step) return "windows and ALiBi need the query's positional dim; a step has none";
+  if (c.causal && c.window_right && *c.window_right > 0) return "causal attention sees no position right of the diagonal";
   if (c.offsets.size() > 1 && static_cast<int64_t>(c.offsets.size()) != c.batch)
     return "give one causal offset, or one per batch entry (" + B + ")";
   if (c.causal && c.offsets.empty() && c.seq_q != c.seq_k)
@@ -116,6 +125,17 @@ Operands make_operands(const AttentionCase& c, bool requires_grad) {
                 .scale = c.scale},
                {}};
   if (c.causal && time) ops.opts.causal_query_spatial_dim = *time;
+  if (!c.causal && time && (c.window_left || c.window_right || c.alibi)) ops.opts.query_position_dim = *time;
+  if (c.window_left || c.window_right) ops.opts.window = AttentionWindow{c.window_left, c.window_right};
+  ops.opts.softcap = c.softcap;
+  const TensorOptions floats{.dtype = c.dtype, .device = c.device, .backend = c.backend};
+  auto per_head = [&](auto value) {
+    std::vector<double> v;
+    for (int64_t h = 0; h < c.heads; ++h) v.push_back(value(h));
+    return from_host({heads}, v, floats);
+  };
+  if (c.alibi) ops.opts.alibi_slopes = per_head([](int64_t h) { return std::exp2(-static_cast<double>(h + 1)); });
+  if (c.sinks) ops.opts.sinks = per_head([](int64_t h) { return static_cast<double>(h % 3) - 1.0; });
   if (c.offsets.size() == 1) ops.opts.causal_offset = scalar(static_cast<double>(c.offsets[0]), ints);
   if (c.offsets.size() > 1) ops.opts.causal_offset = from_host({batch}, as_doubles(c.offsets), ints);
   for (const Dim& d : qd)

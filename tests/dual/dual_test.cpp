@@ -60,7 +60,9 @@ std::set<std::string> expected_kernels(const AttentionCase& c, const std::string
     return k;
   }
   k.insert("cpu_flash");
-  if (backend == "torch" && c.dropout == 0) {
+  // ATen's kernels take no variant (docs/selection.md).
+  const bool variant = c.window_left || c.window_right || c.softcap || c.alibi || c.sinks;
+  if (backend == "torch" && c.dropout == 0 && !variant) {
     k.insert("aten_math");
     if (!(c.causal && c.groups > 1) && c.head_dim == c.head_dim_v) k.insert("aten_flash_cpu");
   }
@@ -157,6 +159,19 @@ void add_cpu_cases(std::vector<AttentionCase>& out) {
                    .scale = extreme});
     out.push_back({.name = "extreme_logits_causal" + s, .dtype = dt, .kind = Kind::self, .seq_q = 33, .seq_k = 33,
                    .causal = true, .scale = extreme});
+    // Variants (docs/api.md): windows, soft-capping, ALiBi, sinks, and all
+    // of them with GQA, offsets, padding and dropout.
+    out.push_back({.name = "window_causal" + s, .dtype = dt, .kind = Kind::self, .seq_q = 9, .seq_k = 9,
+                   .causal = true, .window_left = 3});
+    out.push_back({.name = "window_two_sided_offsets" + s, .dtype = dt, .seq_q = 5, .seq_k = 9, .offsets = {2, 4},
+                   .window_left = 2, .window_right = 1});
+    out.push_back({.name = "softcap" + s, .dtype = dt, .scale = 1.0, .softcap = 1.5});
+    out.push_back({.name = "alibi_causal" + s, .dtype = dt, .kind = Kind::self, .seq_q = 9, .seq_k = 9,
+                   .causal = true, .alibi = true});
+    out.push_back({.name = "sinks_empty_entry" + s, .dtype = dt, .lengths = {7, 0}, .sinks = true});
+    out.push_back({.name = "variants_gqa_dropout" + s, .dtype = dt, .groups = 2, .seq_q = 4, .seq_k = 9,
+                   .causal = true, .lengths = {9, 6}, .offsets = {5, 2}, .dropout = 0.25, .window_left = 4,
+                   .softcap = 2.0, .alibi = true, .sinks = true});
   }
   out.push_back({.name = "t1", .seq_q = 1, .seq_k = 1});
   out.push_back({.name = "odd_head_dims", .head_dim = 5, .head_dim_v = 3});
@@ -200,6 +215,9 @@ void add_cuda_cases(std::vector<AttentionCase>& out) {
       out.push_back(with(c, "dropout_gqa"));
       c = base, c.lengths = {120, 9}, c.dropout = 0.5, c.broadcast_dropout = true;
       out.push_back(with(c, "broadcast_dropout"));
+      c = base, c.kind = Kind::self, c.groups = 2, c.seq_q = 130, c.causal = true, c.lengths = {130, 97},
+      c.dropout = 0.2, c.window_left = 50, c.softcap = 3.0, c.alibi = true, c.sinks = true;
+      out.push_back(with(c, "variants_gqa_dropout"));
     }
 }
 
@@ -234,7 +252,8 @@ Operands make_operands(AttentionCase c, const std::string& backend, Device devic
 
 Operands on_backend(Operands ops, const std::string& backend) {
   for (Tensor* t : {&ops.q, &ops.k, &ops.v, &ops.w}) *t = to_backend(*t, backend);
-  if (ops.opts.causal_offset) ops.opts.causal_offset = to_backend(*ops.opts.causal_offset, backend);
+  for (std::optional<Tensor>* t : {&ops.opts.causal_offset, &ops.opts.alibi_slopes, &ops.opts.sinks})
+    if (*t) **t = to_backend(**t, backend);
   return ops;
 }
 

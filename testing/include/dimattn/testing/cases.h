@@ -45,6 +45,11 @@ struct AttentionCase {
   bool broadcast_dropout = false;
   std::optional<double> scale;  // default 1/sqrt(head_dim)
   uint64_t seed = 1;            // q, k, v from seed, seed + 1, seed + 2
+  // Variants (AttentionOptions); the positional dim is the query's time dim.
+  // ALiBi slopes 2^-(h+1) and sink logits (h % 3) - 1 per kv head.
+  std::optional<int64_t> window_left, window_right;
+  std::optional<double> softcap;
+  bool alibi = false, sinks = false;
 
   // The scale dot_attention applies.
   double softmax_scale() const;
