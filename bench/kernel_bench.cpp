@@ -61,6 +61,8 @@ const char* kUsage =
     "  --batch=B --heads=H batch and heads (default 1 and 16: B*H = 16)\n"
     "  --no-backward       forward only\n"
     "  --no-ref            skip the reference path\n"
+    "  --window=N          causal configurations: also time ours with a window of N past positions\n"
+    "                      (forward; its time ratio against full causal vs its FLOP ratio)\n"
     "  --ref-max-T=N       reference path only for T <= N (default 1024)\n"
     "  --pool=aten|own     pool for our kernel: at::parallel_for (default) or kernels::ThreadPool\n"
     "  --clock=wall|cpu    time by wall clock (default) or by the process's CPU time: with\n"
@@ -123,6 +125,7 @@ Options parse(int argc, char** argv) {
       else if ((v = value_of(a, "--batch"))) o.batch = std::stoll(*v);
       else if ((v = value_of(a, "--heads"))) o.heads = std::stoll(*v);
       else if ((v = value_of(a, "--ref-max-T"))) o.ref_max_T = std::stoll(*v);
+      else if ((v = value_of(a, "--window"))) o.window = std::stoll(*v);
       else if ((v = value_of(a, "--pool"))) {
         if (*v != "aten" && *v != "own") usage_error("--pool is aten or own, got " + *v);
         o.own_pool = *v == "own";

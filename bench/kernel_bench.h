@@ -31,6 +31,7 @@ struct Options {
   bool backward = true;           // also time the backward pass
   bool reference = true;
   int64_t ref_max_T = 1024;
+  int64_t window = 0;  // > 0: also time ours with a causal window of this many past positions
   bool own_pool = false;
   bool cpu_clock = false;  // process CPU time instead of wall time
   double budget_s = 3.0;    // timed rounds per configuration, in seconds (estimate)

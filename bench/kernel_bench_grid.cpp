@@ -3,6 +3,7 @@
 // as a markdown table (and JSON with --json).
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
@@ -115,6 +116,16 @@ Row run_config(const Options& o, const std::string& dtype, int64_t D, int64_t T,
   at::Tensor aout, alse, adq, adk, adv;
   std::vector<Variant> vs;
   vs.push_back({"ours fwd", [&] { k::flash_attention_forward_cpu(pr.p, pf); }});
+  // A sliding window: the kv blocks outside the band are skipped, so the
+  // time should follow the FLOPs (row i attends min(i, N) + 1 positions).
+  k::AttentionKernelParams windowed = pr.p;
+  const at::Tensor window_out = at::empty_like(pr.out);  // its own output: pr.out is compared with ATen's
+  if (causal && o.window > 0) {
+    windowed.window_left = o.window;
+    windowed.out = window_out.data_ptr();
+    windowed.lse = nullptr;
+    vs.push_back({"ours window fwd", [&] { k::flash_attention_forward_cpu(windowed, pf); }});
+  }
   vs.push_back({"aten fwd", [&] {
                   std::tie(aout, alse) = at::_scaled_dot_product_flash_attention_for_cpu(pr.q, pr.k, pr.v, 0.0, causal);
                 }});
@@ -170,6 +181,15 @@ Row run_config(const Options& o, const std::string& dtype, int64_t D, int64_t T,
     return double(NAN);
   };
   row.ours_fwd = med("ours fwd");
+  if (causal && o.window > 0) {
+    const double n = static_cast<double>(std::min(o.window, T - 1)), t = static_cast<double>(T);
+    const double pairs_window = t * (n + 1) - n * (n + 1) / 2, pairs_causal = t * (t + 1) / 2;
+    const double time_ratio = med("ours window fwd") / row.ours_fwd, flop_ratio = pairs_window / pairs_causal;
+    std::printf("window %lld, %s D=%lld T=%lld: forward %.1f ms vs %.1f ms full causal: time ratio %.4f, FLOP ratio "
+                "%.4f, time / FLOP ratio %.2f\n",
+                static_cast<long long>(o.window), dtype.c_str(), static_cast<long long>(D), static_cast<long long>(T),
+                1e3 * med("ours window fwd"), 1e3 * row.ours_fwd, time_ratio, flop_ratio, time_ratio / flop_ratio);
+  }
   row.aten_fwd = med("aten fwd");
   row.ours_bwd = med("ours bwd");
   row.aten_bwd = med("aten bwd");
