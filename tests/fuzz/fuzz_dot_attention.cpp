@@ -214,6 +214,36 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const bool train = in.ConsumeBool();
     const int mode = in.ConsumeIntegralInRange<int>(0, 7);
     const bool low_limit = in.ConsumeIntegralInRange<int>(0, 15) == 15;
+    // Variants (docs/api.md), from the input's last bytes (zeros: none):
+    // a positional dim, a window, soft-capping, ALiBi slopes and sinks over
+    // any dims of the pool (valid ones mostly over the query's).
+    const int variants = in.ConsumeIntegralInRange<int>(0, 31);
+    auto maybe_bound = [&]() -> std::optional<int64_t> {
+      const int b = in.ConsumeIntegralInRange<int>(0, 6);
+      return b == 6 ? std::nullopt : std::optional<int64_t>(b - 1);  // -1 (bad) .. 4, or unbounded
+    };
+    auto per_head = [&]() {
+      const Dims& from = in.ConsumeBool() ? qd : pool;
+      Dims dims;
+      for (const Dim& d : from)
+        if (in.ConsumeIntegralInRange<int>(0, 3) == 3) dims.push_back(d);
+      const int kind = in.ConsumeIntegralInRange<int>(0, 7);
+      return testing::random_operand(dims, 5 + kind, kind == 7 ? DType::int64 : dt, be);
+    };
+    if (variants & 1) {
+      const Dims& from = in.ConsumeBool() && !qd.empty() ? qd : pool;
+      o.query_position_dim = from[in.ConsumeIntegralInRange<size_t>(0, from.size() - 1)];
+    }
+    if (variants & 2) o.window = AttentionWindow{maybe_bound(), maybe_bound()};
+    static const double kSoftcaps[] = {2.0, 0.5, 30.0, 0.0, -1.0, NAN, INFINITY, 1e-30};
+    if (variants & 4) o.softcap = kSoftcaps[in.ConsumeIntegralInRange<int>(0, 7)];
+    if (variants & 8) o.alibi_slopes = per_head();
+    if (variants & 16) {
+      if (in.ConsumeBool())
+        o.sink_off_by_one = true;
+      else
+        o.sinks = per_head();
+    }
 
     describe_call = [=] {
       return "backend " + be + " q" + repr(qd) + " k" + repr(kd) + " v" + repr(vd) + " dtype " + dtype_name(dt) + "/" +
@@ -222,7 +252,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                      (o.causal_query_spatial_dim ? o.causal_query_spatial_dim->repr() : "-") + " offset " +
                      (o.causal_offset ? o.causal_offset->repr() : "-") + " scale " +
                      (o.scale ? std::to_string(*o.scale) : "-") + " train " + std::to_string(train) + " mode " +
-                     std::to_string(mode) + " low_limit " + std::to_string(low_limit);
+                     std::to_string(mode) + " low_limit " + std::to_string(low_limit) + " variants " +
+                     std::to_string(variants) + " position " +
+                     (o.query_position_dim ? o.query_position_dim->repr() : "-") + " window " +
+                     (o.window ? std::to_string(o.window->left.value_or(-99)) + "," +
+                                     std::to_string(o.window->right.value_or(-99))
+                               : "-") +
+                     " softcap " + (o.softcap ? std::to_string(*o.softcap) : "-") + " alibi " +
+                     (o.alibi_slopes ? o.alibi_slopes->repr() : "-") + " sinks " +
+                     (o.sinks ? o.sinks->repr() : o.sink_off_by_one ? "off-by-one" : "-");
     };
 
     // Any dims, any dtype (integer operands drawn as floats and cast): the
@@ -299,6 +337,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::optional<Host> hlen, hoff;
     if (o.axis.is_dynamic()) hlen.emplace(o.axis.lengths());
     if (o.causal_offset) hoff.emplace(*o.causal_offset);
+    std::optional<Host> hslopes, hsinks;
+    if (o.alibi_slopes) hslopes.emplace(*o.alibi_slopes);
+    if (o.sinks) hsinks.emplace(*o.sinks);
+    const std::optional<Dim> position = o.causal_query_spatial_dim ? o.causal_query_spatial_dim : o.query_position_dim;
     const int64_t nk = o.axis.extent(), nd = o.key_dim.extent();
     const double tol = dt == DType::float64 ? 1e-9 : dt == DType::float32 ? 2e-4 : 5e-2;
     std::map<Dim, int64_t> idx;
@@ -313,12 +355,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       int64_t len = nk;
       if (hlen) len = static_cast<int64_t>(hlen->at(idx));
-      int64_t limit = nk;
-      if (o.causal_query_spatial_dim) limit = idx.at(*o.causal_query_spatial_dim) + (hoff ? static_cast<int64_t>(hoff->at(idx)) : 0);
+      // The diagonal of row i: i + offset along the positional dim.
+      const int64_t diag = position ? idx.at(*position) + (hoff ? static_cast<int64_t>(hoff->at(idx)) : 0) : 0;
       std::vector<double> e;
       std::vector<int64_t> js;
       for (int64_t j = 0; j < nk; ++j) {
-        if (j >= len || j > limit) continue;
+        if (j >= len || (o.causal_query_spatial_dim && j > diag)) continue;
+        if (o.window && o.window->left && j < diag - *o.window->left) continue;
+        if (o.window && o.window->right && j > diag + *o.window->right) continue;
         std::map<Dim, int64_t> qi = idx, ki = idx;
         ki[o.axis] = j;
         double s = 0;
@@ -326,13 +370,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           qi[o.key_dim] = ki[o.key_dim] = c;
           s += hq.at(qi) * hk.at(ki);
         }
-        e.push_back(s * scale);
+        s *= scale;
+        if (o.softcap) s = *o.softcap * std::tanh(s / *o.softcap);
+        if (hslopes) s -= hslopes->at(idx) * static_cast<double>(std::abs(diag - j));
+        e.push_back(s);
         js.push_back(j);
       }
       double want = 0;
+      const bool sink = hsinks || o.sink_off_by_one;
       if (!e.empty()) {
-        const double mx = *std::max_element(e.begin(), e.end());
-        double z = 0;
+        const double sink_logit = hsinks ? hsinks->at(idx) : 0.0;
+        const double mx = std::max(*std::max_element(e.begin(), e.end()), sink ? sink_logit : -INFINITY);
+        double z = sink ? std::exp(sink_logit - mx) : 0.0;
         for (double x : e) z += std::exp(x - mx);
         std::map<Dim, int64_t> vi = idx;
         for (size_t t = 0; t < e.size(); ++t) {
