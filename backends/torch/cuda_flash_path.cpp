@@ -135,12 +135,11 @@ class CudaFlashFunction : public torch::autograd::Function<CudaFlashFunction> {
 
 }  // namespace
 
-Tensor cuda_flash_attention(TorchBackend& be, const AttentionCall& c) {
-  const detail::FlashLayout layout = detail::flash_layout(c);
-  const detail::FlashInputs in = detail::flash_inputs(be, layout, detail::aligned_inputs(c, layout), memory_of_raw);
+Tensor cuda_flash_attention(TorchBackend& be, const AttentionCall& c, const detail::KernelForm& form) {
+  const detail::FlashInputs in = detail::flash_inputs(be, form, detail::aligned_inputs(be, c, form), memory_of_raw);
   at::Tensor out = CudaFlashFunction::apply(as_aten(in.q), as_aten(in.k), as_aten(in.v),
-                                            c10::make_intrusive<CudaFlashInfo>(c, layout));
-  return detail::flash_output(be, c, layout, wrap(out));
+                                            c10::make_intrusive<CudaFlashInfo>(c, form.layout));
+  return detail::flash_output(be, c, wrap(out));
 }
 
 }  // namespace dimattn::torch_backend
