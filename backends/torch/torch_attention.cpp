@@ -206,9 +206,13 @@ Tensor run_aten(TorchBackend& be, const AttentionCall& c, const detail::KernelFo
   a.heads_form = c.causal && f.G > 1;  // gates allow it only for aten_math
   const detail::FlashInputs in = detail::flash_inputs(be, form, detail::aligned_inputs(be, c, form), memory_of_raw,
                                                       a.heads_form ? detail::QueryForm::heads : detail::QueryForm::rows);
-  a.q = meeting(as_aten(in.q), entry.layout, "query");
-  a.k = meeting(as_aten(in.k), entry.layout, "keys");
-  a.v = meeting(as_aten(in.v), entry.layout, "values");
+  // flash_inputs gives unit last strides already: requirements beyond that
+  // are checked per view (addresses change every call).
+  const LayoutRequirements& req = entry.layout;
+  const bool met = req.stride_multiple == 1 && req.address_alignment == 1 && req.zero_strides_ok;
+  a.q = met ? as_aten(in.q) : meeting(as_aten(in.q), req, "query");
+  a.k = met ? as_aten(in.k) : meeting(as_aten(in.k), req, "keys");
+  a.v = met ? as_aten(in.v) : meeting(as_aten(in.v), req, "values");
   const Masks m = masks_of(c, f, a.q.options());
   if (m.kv_valid) {
     // Padding is not data: a masked weight is 0, but 0 * NaN is NaN, and a
