@@ -1,4 +1,5 @@
 #include "adapters/cpu_flash_path.h"
+#include "adapters/plan_cache.h"
 
 #include <algorithm>
 #include <atomic>
@@ -32,7 +33,10 @@ void run_kernel(F&& f) {
 
 KernelEntry cpu_flash_entry() {
   return {"cpu_flash", DeviceType::cpu, cpu_flash_gate, {.last_dim_unit_stride = true},
-          [](Backend& be, const AttentionCall& c) { return cpu_flash_attention(be, c, default_parallel_for()); }};
+          [](Backend& be, const AttentionCall& c, const AttentionPlan& plan) {
+            const KernelForm* form = form_in(plan);
+            return cpu_flash_attention(be, c, form ? *form : host_kernel_form(be, c), default_parallel_for());
+          }};
 }
 
 GateResult cpu_flash_gate(const AttentionParams& p) {
@@ -73,10 +77,9 @@ FlashGrads flash_backward(Backend& be, const AttentionCall& c, const FlashLayout
   return {g, std::move(pr.dsinks)};
 }
 
-Tensor cpu_flash_attention(Backend& be, const AttentionCall& c, const kernels::ParallelFor& pf) {
-  const FlashLayout layout = flash_layout(c);
-  const FlashForward fwd = flash_forward(be, c, layout, flash_inputs(be, c, layout), pf);
-  return flash_output(be, c, layout, fwd.out);
+Tensor cpu_flash_attention(Backend& be, const AttentionCall& c, const KernelForm& form, const kernels::ParallelFor& pf) {
+  const FlashForward fwd = flash_forward(be, c, form.layout, flash_inputs(be, c, form), pf);
+  return flash_output(be, c, fwd.out);
 }
 
 AttentionCallGrads cpu_flash_attention_backward(Backend& be, const AttentionCall& c, const Tensor& grad_output,
@@ -90,11 +93,13 @@ AttentionCallGrads cpu_flash_attention_backward(Backend& be, const AttentionCall
   DIMATTN_CHECK(grad_output.dtype() == c.query.dtype(), op, "grad_output has dtype ", dtype_name(grad_output.dtype()),
         "; the output of this call has ", dtype_name(c.query.dtype()));
 
-  const FlashLayout l = flash_layout(c);
-  const FlashInputs in = flash_inputs(be, c, l);
+  const KernelForm form = host_kernel_form(be, c);
+  const FlashLayout& l = form.layout;
+  const FlashInputs in = flash_inputs(be, c, form);
   const FlashForward fwd = flash_forward(be, c, l, in, pf);
   // The upstream gradient in the kernel's output order.
-  const Dims out_order = join({l.outer, l.head, c.query_groups, {c.query_spatial}, c.value_feature});
+  const Dims kv_heads = batch_head_dims(c);
+  const Dims out_order = join({kv_heads, c.query_groups, {c.query_spatial}, c.value_feature});
   Dims missing, extra;
   for (const Dim& d : out_order)
     if (!grad_output.has(d)) missing.push_back(d);
@@ -111,11 +116,10 @@ AttentionCallGrads cpu_flash_attention_backward(Backend& be, const AttentionCall
     for (const Dim& d : dims) shape.push_back(d.extent());
     return Tensor(dims, c.query.dtype(), kCPU, be.reshape(raw, shape), &be);
   };
-  const Dims kv_heads = join({l.outer, l.head});
   return {named(g.q, join({kv_heads, c.query_groups, {c.query_spatial, c.key_dim}})),
           named(g.k, join({kv_heads, {c.kv_spatial, c.key_dim}})),
           named(g.v, join({kv_heads, {c.kv_spatial}, c.value_feature})),
-          c.sinks ? std::optional<Tensor>(sinks_gradient(be, c, l, grads.dsinks)) : std::nullopt};
+          c.sinks ? std::optional<Tensor>(sinks_gradient(be, c, grads.dsinks)) : std::nullopt};
 }
 
 namespace {

@@ -32,8 +32,9 @@ struct FlashGrads {
 FlashGrads flash_backward(Backend& be, const AttentionCall& c, const FlashLayout& l, const FlashInputs& in,
                           const FlashForward& fwd, const RawPtr& dout, const kernels::ParallelFor& pf);
 
-// The whole forward pass for a backend's run_attention: the call's output.
-Tensor cpu_flash_attention(Backend& be, const AttentionCall& c, const kernels::ParallelFor& pf);
+// The whole forward pass for a backend's run_attention: the call's output,
+// on the call's kernel form (from its plan).
+Tensor cpu_flash_attention(Backend& be, const AttentionCall& c, const KernelForm& form, const kernels::ParallelFor& pf);
 // The whole backward pass for a backend's attention_backward (no autograd):
 // recomputes the forward pass; grad_output over the call's output dims.
 AttentionCallGrads cpu_flash_attention_backward(Backend& be, const AttentionCall& c, const Tensor& grad_output,

@@ -31,10 +31,12 @@ HostView host(Backend& be, const RawPtr& x) {
 }
 
 // An aligned input reshaped to `shape`: a view where strides allow, with a
-// unit last stride (kernels load rows as vectors); each copy is counted.
-RawPtr kernel_view(Backend& be, const MemoryView& mem, const RawPtr& aligned, const Shape& shape) {
+// unit last stride (kernels load rows as vectors); each copy is counted. The
+// form tells without asking the backend when it is the view as it is.
+RawPtr kernel_view(Backend& be, const MemoryView& mem, const RawPtr& aligned, const OperandForm& f, const Shape& shape) {
+  if (f.sizes == shape && (shape.back() <= 1 || f.strides.back() == 1)) return aligned;  // the common case
   const HostView before = mem(aligned);
-  if (before.sizes == shape && (shape.back() <= 1 || before.strides.back() == 1)) return aligned;  // the common case
+  if (before.sizes == shape && (shape.back() <= 1 || before.strides.back() == 1)) return aligned;
   RawPtr r = be.reshape(aligned, shape);
   const HostView after = mem(r);
   if (after.data != before.data) count_layout_copy();
@@ -43,6 +45,69 @@ RawPtr kernel_view(Backend& be, const MemoryView& mem, const RawPtr& aligned, co
     count_layout_copy();
   }
   return r;
+}
+
+// The dims of one operand in the kernel's order, as consecutive lists.
+using Order = std::initializer_list<std::span<const Dim>>;
+std::span<const Dim> one(const Dim& d) { return {&d, 1}; }
+
+OperandForm operand_form(const Tensor& x, Order order, const OperandMemory& m) {
+  OperandForm f;
+  bool in_order = true, lacks = false;
+  for (std::span<const Dim> part : order)
+    for (const Dim& d : part) {
+      const int a = x.axis_of(d);
+      const int64_t n = d.extent();
+      f.sizes.push_back(n);
+      f.ones.push_back(a >= 0 ? n : 1);
+      f.strides.push_back(a < 0 || n == 1 ? 0 : m.strides[static_cast<size_t>(a)]);
+      if (a >= 0) {
+        in_order = in_order && a == static_cast<int>(f.perm.size());
+        f.perm.push_back(a);
+      } else {
+        lacks = true;
+      }
+    }
+  DIMATTN_CHECK(f.perm.size() == x.dims().size(), kOp, "internal error: a dim of ", repr(x.dims()),
+                " has no role in the kernel form");
+  if (in_order) f.perm.clear();
+  if (!lacks) f.ones.clear();
+  return f;
+}
+
+// What selection classifies: the aligned views' layouts.
+LayoutClass form_layout_class(const KernelForm& f, const OperandMemory (&m)[3]) {
+  const OperandForm* forms[3] = {&f.q, &f.k, &f.v};
+  ViewLayout views[3];
+  for (int i = 0; i < 3; ++i)
+    views[i] = ViewLayout{forms[i]->sizes, forms[i]->strides, m[i].storage, m[i].offset, m[i].element_size,
+                          static_cast<uintptr_t>(m[i].offset * m[i].element_size)};
+  if (m[0].storage && m[1].storage && m[2].storage) return classify_layout(views[0], views[1], views[2]);
+  // Host views carry addresses, not storages: one buffer is one address
+  // range. Offsets are measured from the lowest address so that
+  // classify_layout sees views of one buffer as such; views that can touch
+  // each other's elements share storage, others do not.
+  const int64_t base = std::min({m[0].offset, m[1].offset, m[2].offset});
+  for (ViewLayout& x : views) x.offset -= base;
+  auto span_end = [](const ViewLayout& x) {
+    int64_t hi = x.offset;
+    for (size_t a = 0; a < x.sizes.size(); ++a) hi += (x.sizes[a] - 1) * x.strides[a];
+    return hi;
+  };
+  static const int kStorage[3] = {0, 1, 2};
+  for (int i = 0; i < 3; ++i) views[i].storage = &kStorage[i];
+  for (int i = 0; i < 3; ++i)
+    for (int j = 0; j < i; ++j)
+      if (views[i].offset <= span_end(views[j]) && views[j].offset <= span_end(views[i]))
+        views[i].storage = views[j].storage;
+  return classify_layout(views[0], views[1], views[2]);
+}
+
+RawPtr aligned_input(Backend& be, const Tensor& x, const OperandForm& f) {
+  RawPtr raw = x.raw();
+  if (!f.perm.empty()) raw = be.permute(raw, f.perm);
+  if (!f.ones.empty()) raw = be.expand(be.reshape(raw, f.ones), f.sizes);
+  return raw;
 }
 
 }  // namespace
@@ -83,12 +148,12 @@ void flash_params(FlashParams& pr, const AttentionCall& c, const FlashLayout& l,
   p.k_strides = strides4(k);
   p.v_strides = strides4(v);
   if (c.kv_spatial.is_dynamic()) {
-    pr.kv_len = host_ints(c.kv_spatial.lengths(), l.outer);
+    pr.kv_len = host_ints(c.kv_spatial.lengths(), outer_dims(c, l));
     p.kv_lengths = pr.kv_len.data();
   }
   p.causal = c.causal;
   if (c.causal_offset) {
-    pr.offset = host_ints(*c.causal_offset, l.outer);
+    pr.offset = host_ints(*c.causal_offset, outer_dims(c, l));
     p.causal_offset = pr.offset.data();
   }
   p.scale = c.scale;
@@ -100,7 +165,7 @@ void flash_params(FlashParams& pr, const AttentionCall& c, const FlashLayout& l,
   p.window_right = c.window_right;
   p.softcap = c.softcap;
   const int64_t H = l.Hkv * l.G;
-  auto per_head = [&](const Tensor& t, std::vector<double>& out) { out = host_values(t, per_head_dims(c, l)); };
+  auto per_head = [&](const Tensor& t, std::vector<double>& out) { out = host_values(t, per_head_dims(c)); };
   if (c.alibi_slopes) {
     per_head(*c.alibi_slopes, pr.slopes);
     p.alibi_slopes = pr.slopes.data();
@@ -117,11 +182,11 @@ void flash_params(FlashParams& pr, const AttentionCall& c, const FlashLayout& l,
   }
 }
 
-Dims per_head_dims(const AttentionCall& c, const FlashLayout& l) { return join({l.outer, l.head, c.query_groups}); }
+Dims per_head_dims(const AttentionCall& c) { return join({batch_head_dims(c), c.query_groups}); }
 
-Tensor sinks_gradient(Backend& be, const AttentionCall& c, const FlashLayout& l, const std::vector<double>& dsinks) {
+Tensor sinks_gradient(Backend& be, const AttentionCall& c, const std::vector<double>& dsinks) {
   const Tensor& sinks = *c.sinks;
-  const Dims flat = per_head_dims(c, l);
+  const Dims flat = per_head_dims(c);
   // Each flat index's position in the sinks' own row-major order.
   std::vector<int64_t> stride_of(flat.size(), 0);
   int64_t n = 1;
@@ -166,24 +231,21 @@ void set_backward_tensors(kernels::AttentionKernelParams& p, const HostView& dou
 }
 
 FlashLayout flash_layout(const AttentionCall& c) {
-  FlashLayout l;
-  Dims mask_dims;
-  if (c.kv_spatial.is_dynamic()) mask_dims = c.kv_spatial.lengths().dims();
-  if (c.causal_offset) mask_dims = join({mask_dims, c.causal_offset->dims()});
   // The batch dims, then the keys-only dims (more kv heads; the query is
   // broadcast over them, a copy of the query, never of keys or values): the
   // canonical order of the flat batch index of philox.h. B takes a prefix,
   // the kv heads the rest: the last batch dim and the keys-only dims, unless
   // kv lengths or offsets vary over them (the kernels' per-entry arrays are
   // indexed by B alone), so that [B, H, T, D] buffers keep B and H as they are.
-  const Dims all = join({c.batch, c.keys_only});
-  size_t split = c.batch.empty() ? 0 : c.batch.size() - 1;
-  for (size_t i = 0; i < all.size(); ++i)
-    if (contains(mask_dims, all[i])) split = std::max(split, i + 1);
-  l.outer.assign(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(split));
-  l.head.assign(all.begin() + static_cast<std::ptrdiff_t>(split), all.end());
-  l.B = product(l.outer);
-  l.Hkv = product(l.head);
+  const Dims* lengths = c.kv_spatial.is_dynamic() ? &c.kv_spatial.lengths().dims() : nullptr;
+  const Dims* offsets = c.causal_offset ? &c.causal_offset->dims() : nullptr;
+  const size_t nb = c.batch.size(), n = nb + c.keys_only.size();
+  auto at = [&](size_t i) -> const Dim& { return i < nb ? c.batch[i] : c.keys_only[i - nb]; };
+  FlashLayout l;
+  l.split = nb == 0 ? 0 : nb - 1;
+  for (size_t i = 0; i < n; ++i)
+    if ((lengths && contains(*lengths, at(i))) || (offsets && contains(*offsets, at(i)))) l.split = std::max(l.split, i + 1);
+  for (size_t i = 0; i < n; ++i) (i < l.split ? l.B : l.Hkv) *= at(i).extent();
   l.G = product(c.query_groups);
   l.Tq = c.query_spatial.extent();
   l.Tk = c.kv_spatial.extent();
@@ -192,58 +254,66 @@ FlashLayout flash_layout(const AttentionCall& c) {
   return l;
 }
 
-FlashInputs aligned_inputs(const AttentionCall& c, const FlashLayout& l) {
-  const Dims bh = join({l.outer, l.head});
-  return {raw_in_order(kOp, c.query, join({bh, c.query_groups, {c.query_spatial, c.key_dim}}), true),
-          raw_in_order(kOp, c.keys, join({bh, {c.kv_spatial, c.key_dim}}), true),
-          raw_in_order(kOp, c.values, join({bh, {c.kv_spatial}, c.value_feature}), true)};
+Dims batch_head_dims(const AttentionCall& c) { return join({c.batch, c.keys_only}); }
+
+Dims outer_dims(const AttentionCall& c, const FlashLayout& l) {
+  Dims all = batch_head_dims(c);
+  all.erase(all.begin() + static_cast<std::ptrdiff_t>(l.split), all.end());
+  return all;
 }
 
-FlashInputs flash_inputs(Backend& be, const AttentionCall& c, const FlashLayout& l) {
-  return flash_inputs(be, l, aligned_inputs(c, l), host_memory(be));
+KernelForm kernel_form(const AttentionCall& c, const OperandMemory (&m)[3]) {
+  KernelForm f;
+  f.layout = flash_layout(c);
+  f.q = operand_form(c.query, {c.batch, c.keys_only, c.query_groups, one(c.query_spatial), one(c.key_dim)}, m[0]);
+  f.k = operand_form(c.keys, {c.batch, c.keys_only, one(c.kv_spatial), one(c.key_dim)}, m[1]);
+  f.v = operand_form(c.values, {c.batch, c.keys_only, one(c.kv_spatial), c.value_feature}, m[2]);
+  f.layout_class = form_layout_class(f, m);
+  f.requires_grad = m[0].requires_grad || m[1].requires_grad || m[2].requires_grad;
+  return f;
 }
 
-FlashInputs flash_inputs(Backend& be, const FlashLayout& l, const FlashInputs& aligned, const MemoryView& mem,
+void host_operand_memory(Backend& be, const AttentionCall& c, HostView (&h)[3], OperandMemory (&m)[3]) {
+  const Tensor* x[3] = {&c.query, &c.keys, &c.values};
+  for (int i = 0; i < 3; ++i) {
+    h[i] = host(be, x[i]->raw());
+    const int64_t size = dtype_size(h[i].dtype);
+    m[i] = {h[i].sizes, h[i].strides, nullptr, static_cast<int64_t>(reinterpret_cast<uintptr_t>(h[i].data) / size), size,
+            x[i]->requires_grad()};
+  }
+}
+
+KernelForm host_kernel_form(Backend& be, const AttentionCall& c) {
+  HostView h[3];
+  OperandMemory m[3];
+  host_operand_memory(be, c, h, m);
+  return kernel_form(c, m);
+}
+
+FlashInputs aligned_inputs(Backend& be, const AttentionCall& c, const KernelForm& f) {
+  return {aligned_input(be, c.query, f.q), aligned_input(be, c.keys, f.k), aligned_input(be, c.values, f.v)};
+}
+
+FlashInputs flash_inputs(Backend& be, const AttentionCall& c, const KernelForm& f) {
+  return flash_inputs(be, f, aligned_inputs(be, c, f), host_memory(be));
+}
+
+FlashInputs flash_inputs(Backend& be, const KernelForm& f, const FlashInputs& aligned, const MemoryView& mem,
                          QueryForm form) {
+  const FlashLayout& l = f.layout;
   const Shape q_shape = form == QueryForm::heads ? Shape{l.B, l.Hkv * l.G, l.Tq, l.D} : Shape{l.B, l.Hkv, l.G * l.Tq, l.D};
-  return {kernel_view(be, mem, aligned.q, q_shape), kernel_view(be, mem, aligned.k, {l.B, l.Hkv, l.Tk, l.D}),
-          kernel_view(be, mem, aligned.v, {l.B, l.Hkv, l.Tk, l.Dv})};
+  return {kernel_view(be, mem, aligned.q, f.q, q_shape), kernel_view(be, mem, aligned.k, f.k, {l.B, l.Hkv, l.Tk, l.D}),
+          kernel_view(be, mem, aligned.v, f.v, {l.B, l.Hkv, l.Tk, l.Dv})};
 }
 
-LayoutClass flash_layout_class(Backend& be, const FlashInputs& in) { return flash_layout_class(in, host_memory(be)); }
-
-LayoutClass flash_layout_class(const FlashInputs& in, const MemoryView& mem) {
-  auto view = [&](const RawPtr& x) {
-    const HostView h = mem(x);
-    return ViewLayout{h.sizes, h.strides, nullptr, 0, dtype_size(h.dtype), reinterpret_cast<uintptr_t>(h.data)};
-  };
-  ViewLayout q = view(in.q), k = view(in.k), v = view(in.v);
-  // Host views carry addresses, not storages: one buffer is one address range.
-  // Offsets are measured from the lowest address so that classify_layout
-  // sees views of one buffer as such.
-  const uintptr_t base = std::min({q.data_address, k.data_address, v.data_address});
-  for (ViewLayout* x : {&q, &k, &v}) x->offset = static_cast<int64_t>((x->data_address - base) / x->element_size);
-  // Views that can touch each other's elements share storage; others do not.
-  auto span_end = [](const ViewLayout& x) {
-    int64_t hi = x.offset;
-    for (size_t a = 0; a < x.sizes.size(); ++a) hi += (x.sizes[a] - 1) * x.strides[a];
-    return hi;
-  };
-  static const int kStorage[3] = {0, 1, 2};
-  ViewLayout* all[3] = {&q, &k, &v};
-  for (int i = 0; i < 3; ++i) all[i]->storage = &kStorage[i];
-  for (int i = 0; i < 3; ++i)
-    for (int j = 0; j < i; ++j)
-      if (all[i]->offset <= span_end(*all[j]) && all[j]->offset <= span_end(*all[i])) all[i]->storage = all[j]->storage;
-  return classify_layout(q, k, v);
-}
-
-Tensor flash_output(Backend& be, const AttentionCall& c, const FlashLayout& l, const RawPtr& out4) {
-  const Dims dims = join({l.outer, l.head, c.query_groups, {c.query_spatial}, c.value_feature});
+Tensor flash_output(Backend& be, const AttentionCall& c, const RawPtr& out4) {
+  Dims dims = join({c.batch, c.keys_only, c.query_groups});
+  dims.push_back(c.query_spatial);
+  dims.insert(dims.end(), c.value_feature.begin(), c.value_feature.end());
   Shape shape;
   for (const Dim& d : dims) shape.push_back(d.extent());
   const bool same = be.shape(out4) == shape;  // [B, H, Tq, Dv] with one dim each: no reshape
-  return Tensor(dims, c.query.dtype(), c.query.device(), same ? out4 : be.reshape(out4, shape), &be);
+  return Tensor(std::move(dims), c.query.dtype(), c.query.device(), same ? out4 : be.reshape(out4, shape), &be);
 }
 
 }  // namespace dimattn::detail

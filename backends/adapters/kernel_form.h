@@ -12,9 +12,11 @@
 // masks match the reference path exactly.
 #include <functional>
 #include <initializer_list>
+#include <span>
 #include <vector>
 
 #include "dimattn/ext/backend.h"
+#include "dimattn/ext/layout.h"
 #include "dimattn/selection.h"
 #include "common/attention_params.h"
 
@@ -22,16 +24,55 @@ namespace dimattn::detail {
 
 Dims join(std::initializer_list<Dims> parts);
 
+// B's dims are the first `split` of (batch dims, keys-only dims), the kv
+// heads' dims the rest. Positional (no Dims), so that a cached plan fits every
+// call of the same structure; outer_dims gives one call's dims.
 struct FlashLayout {
-  Dims outer, head;  // dims of B and of the kv heads
-  int64_t B, Hkv, G, Tq, Tk, D, Dv;
+  size_t split = 0;
+  int64_t B = 1, Hkv = 1, G = 1, Tq = 1, Tk = 1, D = 1, Dv = 1;
 };
 FlashLayout flash_layout(const AttentionCall& c);
+Dims outer_dims(const AttentionCall& c, const FlashLayout& l);  // the dims of B
+Dims batch_head_dims(const AttentionCall& c);                   // the dims of B, then of the kv heads
 
 // A tensor's memory as a kernel reads it (pointer, sizes, strides, dtype):
 // Backend::host_view for cpu_flash, the device pointer for cuda_flash.
 using MemoryView = std::function<HostView(const RawPtr&)>;
 MemoryView host_memory(Backend& be);  // throws when be exposes no host memory
+
+// One operand's raw tensor as a plan reads it: sizes and strides in the
+// order of its dims, as spans into memory the caller keeps alive.
+struct OperandMemory {
+  std::span<const int64_t> sizes, strides;
+  const void* storage = nullptr;  // the buffer's identity; null when unknown: overlapping views count as one buffer
+  int64_t offset = 0;             // of the first element, in elements (from address 0 when storage is null)
+  int64_t element_size = 4;
+  bool requires_grad = false;
+};
+
+// How one operand's raw tensor becomes its aligned view (its dims in the
+// kernel's order: what raw_in_order does), as numbers.
+struct OperandForm {
+  std::vector<int> perm;  // its axes in the kernel's order; empty when they are in it already
+  Shape ones;             // the kernel-order shape with 1 for each dim it lacks; empty when it lacks none
+  Shape sizes;            // of the aligned view (each dim's extent)
+  std::vector<int64_t> strides;  // of the aligned view: 0 on the dims it lacks and on size-1 dims
+};
+
+// The kernel form of a call, derived once per call from its roles and its
+// operands' memory, without touching the tensors: the layout, each
+// operand's way to its aligned view, the layout class selection sees.
+struct KernelForm {
+  FlashLayout layout;
+  OperandForm q, k, v;
+  LayoutClass layout_class = LayoutClass::separate;
+  bool requires_grad = false;
+};
+KernelForm kernel_form(const AttentionCall& c, const OperandMemory (&m)[3]);
+// The form of a call on a backend whose tensors expose host memory, and the
+// operands' memory it reads (m's spans point into h).
+KernelForm host_kernel_form(Backend& be, const AttentionCall& c);
+void host_operand_memory(Backend& be, const AttentionCall& c, HostView (&h)[3], OperandMemory (&m)[3]);
 
 struct FlashInputs {
   RawPtr q, k, v;
@@ -39,20 +80,17 @@ struct FlashInputs {
 // q, k and v with their dims in the kernel's order, not yet merged: q over
 // (B dims, kv head dims, query groups, Tq, D), k over (B dims, kv head dims,
 // Tk, D), v over (B dims, kv head dims, Tk, value features). Always views
-// (no copies): what selection classifies (flash_layout_class).
-FlashInputs aligned_inputs(const AttentionCall& c, const FlashLayout& l);
+// (no copies); no backend op where an operand is in that order already.
+FlashInputs aligned_inputs(Backend& be, const AttentionCall& c, const KernelForm& f);
 // The aligned inputs merged into the kernel's 4-d form: q [B, Hkv·G, Tq, D]
 // (QueryForm::heads: groups are GQA heads, as dimattn's kernels take them) or
 // [B, Hkv, G·Tq, D] (QueryForm::rows: groups are more query rows, for
 // kernels without GQA), k [B, Hkv, Tk, D], v [B, Hkv, Tk, Dv]: views where
 // strides allow (unit last stride), else counted copies.
 enum class QueryForm { heads, rows };
-FlashInputs flash_inputs(Backend& be, const FlashLayout& l, const FlashInputs& aligned, const MemoryView& mem,
+FlashInputs flash_inputs(Backend& be, const KernelForm& f, const FlashInputs& aligned, const MemoryView& mem,
                          QueryForm form = QueryForm::heads);
-FlashInputs flash_inputs(Backend& be, const AttentionCall& c, const FlashLayout& l);  // host memory, heads
-// The layout class of aligned inputs (aligned_inputs), from their memory.
-LayoutClass flash_layout_class(Backend& be, const FlashInputs& aligned);
-LayoutClass flash_layout_class(const FlashInputs& aligned, const MemoryView& mem);
+FlashInputs flash_inputs(Backend& be, const AttentionCall& c, const KernelForm& f);  // host memory, heads
 
 // The kernel params both kernels take, without outputs; the per-entry arrays
 // (kv lengths, causal offsets) are host vectors here, which p points at: a
@@ -72,10 +110,10 @@ struct FlashParams {
 void flash_params(FlashParams& out, const AttentionCall& c, const FlashLayout& l, const HostView& q,
                   const HostView& k, const HostView& v);
 // The dims of the kernel's flat (b, h) index: B dims, kv head dims, query groups.
-Dims per_head_dims(const AttentionCall& c, const FlashLayout& l);
+Dims per_head_dims(const AttentionCall& c);
 // d(sinks) per (b, h) summed over the dims the call's sinks lack, as a tensor
 // over the sinks' dims on `be` (dtype and device of the sinks).
-Tensor sinks_gradient(Backend& be, const AttentionCall& c, const FlashLayout& l, const std::vector<double>& dsinks);
+Tensor sinks_gradient(Backend& be, const AttentionCall& c, const std::vector<double>& dsinks);
 // out [B, H, Tq, Dv] and lse [B, H, Tq]: written by the forward pass, read by the backward pass.
 void set_forward_outputs(kernels::AttentionKernelParams& p, const HostView& out, const HostView& lse);
 void set_backward_tensors(kernels::AttentionKernelParams& p, const HostView& dout, const HostView& dq,
@@ -84,6 +122,6 @@ kernels::ElementType kernel_element_type(DType d);  // throws for non-floating d
 kernels::ElementStrides strides4(const HostView& v);  // pre: v is 4-d
 
 // out [B, H, Tq, Dv] as the call's output tensor (on the query's device).
-Tensor flash_output(Backend& be, const AttentionCall& c, const FlashLayout& l, const RawPtr& out4);
+Tensor flash_output(Backend& be, const AttentionCall& c, const RawPtr& out4);
 
 }  // namespace dimattn::detail

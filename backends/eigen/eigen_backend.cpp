@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "adapters/cpu_flash_path.h"
+#include "adapters/plan_cache.h"
 #include "dimattn/ext/backend.h"
 #include "dimattn/error.h"
 #include "dimattn/registry.h"
@@ -96,10 +97,7 @@ class EigenBackend final : public Backend {
     static const KernelTable table = {detail::cpu_flash_entry(), reference_entry(DeviceType::cpu)};
     return table;
   }
-  AttentionParams attention_params_of(const AttentionCall& c) override {
-    const auto layout = detail::flash_layout(c);
-    return attention_params(c, detail::flash_layout_class(*this, detail::aligned_inputs(c, layout)), false);
-  }
+  AttentionPlanPtr plan_attention(const AttentionCall& c) override { return detail::plan_with_host_form(*this, c); }
   AttentionCallGrads attention_backward(const AttentionCall& c, const Tensor& grad_output) override {
     return detail::cpu_flash_attention_backward(*this, c, grad_output, detail::default_parallel_for());
   }

@@ -143,7 +143,7 @@ class CudaFlashFunction : public torch::autograd::Function<CudaFlashFunction> {
       const at::Tensor d = arrays.back().cpu();
       const double* x = d.const_data_ptr<double>();
       const std::vector<double> host(x, x + d.numel());
-      dsinks = as_aten(detail::sinks_gradient(*info->be, info->call, info->layout, host).raw());
+      dsinks = as_aten(detail::sinks_gradient(*info->be, info->call, host).raw());
     }
     return {dq, dk, dv, dsinks, at::Tensor()};
   }
@@ -151,13 +151,11 @@ class CudaFlashFunction : public torch::autograd::Function<CudaFlashFunction> {
 
 }  // namespace
 
-Tensor cuda_flash_attention(TorchBackend& be, const AttentionCall& c) {
-  const detail::FlashLayout layout = detail::flash_layout(c);
-  const detail::FlashInputs in = detail::flash_inputs(be, layout, detail::aligned_inputs(c, layout), memory_of_raw);
+Tensor cuda_flash_attention(TorchBackend& be, const AttentionCall& c, const detail::KernelForm& form) {
+  const detail::FlashInputs in = detail::flash_inputs(be, form, detail::aligned_inputs(be, c, form), memory_of_raw);
   at::Tensor out = CudaFlashFunction::apply(as_aten(in.q), as_aten(in.k), as_aten(in.v),
-                                            sinks_input(c),
-                                            c10::make_intrusive<CudaFlashInfo>(&be, c, layout));
-  return detail::flash_output(be, c, layout, wrap(out));
+                                            sinks_input(c), c10::make_intrusive<CudaFlashInfo>(&be, c, form.layout));
+  return detail::flash_output(be, c, wrap(out));
 }
 
 }  // namespace dimattn::torch_backend

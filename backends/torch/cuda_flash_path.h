@@ -1,16 +1,18 @@
 #pragma once
 // The torch backend's path to dimattn's own CUDA kernel ("cuda_flash",
-// kernels/cuda): roles -> the shared kernel form (backends/src/cpu_flash_path.h)
+// kernels/cuda): roles -> the shared kernel form (adapters/kernel_form.h)
 // on device memory -> an autograd function over the forward and backward
 // kernels, on the current CUDA stream.
 #include <ATen/core/Tensor.h>
 
+#include "adapters/kernel_form.h"
 #include "torch_backend.h"
 
 namespace dimattn::torch_backend {
 
-// pre: detail::cuda_flash_gate passed for the call's AttentionParams.
-Tensor cuda_flash_attention(TorchBackend& be, const AttentionCall& call);
+// pre: detail::cuda_flash_gate passed for the call's AttentionParams; form
+// is the call's kernel form (from its plan).
+Tensor cuda_flash_attention(TorchBackend& be, const AttentionCall& call, const detail::KernelForm& form);
 
 // The call's sinks as an autograd input of the fused functions (cpu_flash's
 // and cuda_flash's), so that d(sinks) reaches them; an empty tensor without

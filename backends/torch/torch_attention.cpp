@@ -24,6 +24,7 @@
 #include <limits>
 
 #include "adapters/cpu_flash_path.h"
+#include "adapters/plan_cache.h"
 #include "common/attention_mask.h"
 #include "adapters/cuda_flash_gate.h"
 #include "cuda_flash_path.h"
@@ -142,8 +143,9 @@ Masks masks_of(const AttentionCall& c, const detail::FlashLayout& f, const at::T
   Masks m;
   const bool padding = c.kv_spatial.is_dynamic();
   if (!padding && !c.causal_offset) return m;  // none, or plain causal via is_causal
-  const std::vector<int64_t> len = padding ? host_ints(c.kv_spatial.lengths(), f.outer) : std::vector<int64_t>{};
-  const std::vector<int64_t> off = c.causal_offset ? host_ints(*c.causal_offset, f.outer) : std::vector<int64_t>{};
+  const Dims outer = detail::outer_dims(c, f);
+  const std::vector<int64_t> len = padding ? host_ints(c.kv_spatial.lengths(), outer) : std::vector<int64_t>{};
+  const std::vector<int64_t> off = c.causal_offset ? host_ints(*c.causal_offset, outer) : std::vector<int64_t>{};
   const int64_t rows = c.causal ? f.Tq : 1;  // without causal every row of an entry is the same
   std::vector<float> bias(static_cast<size_t>(f.B * rows * f.Tk));
   std::vector<uint8_t> ok(static_cast<size_t>(f.B * f.Tq), 1);
@@ -212,15 +214,20 @@ at::Tensor aten_cudnn(const AtenArgs& a) {
 }
 
 // Roles -> kernel form -> `kernel` -> the call's output.
-Tensor run_aten(TorchBackend& be, const AttentionCall& c, const KernelEntry& entry, AtenKernel kernel) {
-  const detail::FlashLayout f = detail::flash_layout(c);
+Tensor run_aten(TorchBackend& be, const AttentionCall& c, const detail::KernelForm& form, const KernelEntry& entry,
+                AtenKernel kernel) {
+  const detail::FlashLayout& f = form.layout;
   AtenArgs a;
   a.heads_form = c.causal && f.G > 1;  // gates allow it only for aten_math
-  const detail::FlashInputs in = detail::flash_inputs(be, f, detail::aligned_inputs(c, f), memory_of_raw,
+  const detail::FlashInputs in = detail::flash_inputs(be, form, detail::aligned_inputs(be, c, form), memory_of_raw,
                                                       a.heads_form ? detail::QueryForm::heads : detail::QueryForm::rows);
-  a.q = meeting(as_aten(in.q), entry.layout, "query");
-  a.k = meeting(as_aten(in.k), entry.layout, "keys");
-  a.v = meeting(as_aten(in.v), entry.layout, "values");
+  // flash_inputs gives unit last strides already: requirements beyond that
+  // are checked per view (addresses change every call).
+  const LayoutRequirements& req = entry.layout;
+  const bool met = req.stride_multiple == 1 && req.address_alignment == 1 && req.zero_strides_ok;
+  a.q = met ? as_aten(in.q) : meeting(as_aten(in.q), req, "query");
+  a.k = met ? as_aten(in.k) : meeting(as_aten(in.k), req, "keys");
+  a.v = met ? as_aten(in.v) : meeting(as_aten(in.v), req, "values");
   const Masks m = masks_of(c, f, a.q.options());
   if (m.kv_valid) {
     // Padding is not data: a masked weight is 0, but 0 * NaN is NaN, and a
@@ -250,7 +257,7 @@ Tensor run_aten(TorchBackend& be, const AttentionCall& c, const KernelEntry& ent
     const at::Tensor o = a.heads_form ? out4 : out4.reshape({f.B, f.Hkv, f.G, f.Tq, f.Dv});
     out4 = o.masked_fill(keep.logical_not(), 0);
   }
-  return detail::flash_output(be, c, f, wrap(out4));
+  return detail::flash_output(be, c, wrap(out4));
 }
 
 // --- dimattn's own CPU kernel, with autograd ---
@@ -297,26 +304,33 @@ class CpuFlashFunction : public torch::autograd::Function<CpuFlashFunction> {
         *info->be, info->call, info->layout, {wrap(saved[0]), wrap(saved[1]), wrap(saved[2])},
         {wrap(saved[3]), wrap(saved[4])}, wrap(grads[0]), aten_parallel_for());
     at::Tensor dsinks;
-    if (info->call.sinks) dsinks = as_aten(detail::sinks_gradient(*info->be, info->call, info->layout, g.dsinks).raw());
+    if (info->call.sinks) dsinks = as_aten(detail::sinks_gradient(*info->be, info->call, g.dsinks).raw());
     return {as_aten(g.inputs.q), as_aten(g.inputs.k), as_aten(g.inputs.v), dsinks, at::Tensor()};
   }
 };
 
-Tensor run_cpu_flash(Backend& be, const AttentionCall& c) {
+// The kernel form in a plan of this backend (plan_attention).
+const detail::KernelForm& form_of(const AttentionPlan& plan) {
+  const detail::KernelForm* form = detail::form_in(plan);
+  DIMATTN_CHECK(form != nullptr, kOp, "internal error: a plan without a kernel form reached the torch backend's kernels");
+  return *form;
+}
+
+Tensor run_cpu_flash(Backend& be, const AttentionCall& c, const AttentionPlan& plan) {
   auto& torch = static_cast<TorchBackend&>(be);
-  const detail::FlashLayout layout = detail::flash_layout(c);
-  const detail::FlashInputs in = detail::flash_inputs(be, c, layout);
+  const detail::KernelForm& form = form_of(plan);
+  const detail::FlashInputs in = detail::flash_inputs(be, c, form);
   at::Tensor out = CpuFlashFunction::apply(as_aten(in.q), as_aten(in.k), as_aten(in.v),
-                                           sinks_input(c), c10::make_intrusive<CpuFlashInfo>(&torch, c, layout));
-  return detail::flash_output(be, c, layout, wrap(out));
+                                           sinks_input(c), c10::make_intrusive<CpuFlashInfo>(&torch, c, form.layout));
+  return detail::flash_output(be, c, wrap(out));
 }
 
 KernelEntry aten_entry(const char* name, DeviceType device, GateResult (*gate)(const AttentionParams&),
                        AtenKernel kernel) {
   // Every ATen kernel here reads the feature dim with unit stride.
   KernelEntry e{name, device, gate, {.last_dim_unit_stride = true}, {}};
-  e.run = [e, kernel](Backend& be, const AttentionCall& c) {
-    return run_aten(static_cast<TorchBackend&>(be), c, e, kernel);
+  e.run = [kernel](Backend& be, const AttentionCall& c, const AttentionPlan& plan) {
+    return run_aten(static_cast<TorchBackend&>(be), c, form_of(plan), *plan.entry, kernel);
   };
   return e;
 }
@@ -341,21 +355,28 @@ const KernelTable& TorchBackend::attention_table() const {
       // (docs/backends.md); first for dropout, causal GQA and offsets.
       {"cuda_flash", cuda, [](const AttentionParams& p) { return detail::cuda_flash_gate(p); },
        {.last_dim_unit_stride = true},
-       [](Backend& be, const AttentionCall& c) { return cuda_flash_attention(static_cast<TorchBackend&>(be), c); }},
+       [](Backend& be, const AttentionCall& c, const AttentionPlan& plan) {
+         return cuda_flash_attention(static_cast<TorchBackend&>(be), c, form_of(plan));
+       }},
       aten_entry("aten_math", cuda, gate_math, aten_math),
       reference_entry(cuda),
   };
   return table;
 }
 
-// The layout class of the views every kernel here would read: q, k and v in
-// the fused kernels' form (adapters/cpu_flash_path.h, the one roles -> kernel
-// form mapping), before the 4-d merge.
-AttentionParams TorchBackend::attention_params_of(const AttentionCall& call) {
-  const detail::FlashInputs aligned = detail::aligned_inputs(call, detail::flash_layout(call));
-  const at::Tensor &q = as_aten(aligned.q), &k = as_aten(aligned.k), &v = as_aten(aligned.v);
-  return attention_params(call, classify_layout(view_of(q), view_of(k), view_of(v)),
-                          q.requires_grad() || k.requires_grad() || v.requires_grad());
+// The plan of a call: the kernel form, with the layout class of the views
+// every kernel here would read (q, k and v in the fused kernels' form,
+// adapters/kernel_form.h, before the 4-d merge), from the ATen tensors'
+// sizes, strides and storages; cached per structure (adapters/plan_cache.h).
+AttentionPlanPtr TorchBackend::plan_attention(const AttentionCall& call) {
+  const at::Tensor* t[3] = {&as_aten(call.query.raw()), &as_aten(call.keys.raw()), &as_aten(call.values.raw())};
+  detail::OperandMemory m[3];
+  for (int i = 0; i < 3; ++i) {
+    const at::IntArrayRef sizes = t[i]->sizes(), strides = t[i]->strides();
+    m[i] = {{sizes.data(), sizes.size()}, {strides.data(), strides.size()}, t[i]->storage().unsafeGetStorageImpl(),
+            t[i]->storage_offset(), static_cast<int64_t>(t[i]->element_size()), t[i]->requires_grad()};
+  }
+  return detail::plan_with_form(*this, call, m);
 }
 
 }  // namespace dimattn::torch_backend

@@ -55,7 +55,7 @@ class TorchBackend : public Backend {
   // The fast paths (torch_attention.cpp): ATen's SDPA kernels and dimattn's
   // own, behind kernel selection.
   const KernelTable& attention_table() const override;
-  AttentionParams attention_params_of(const AttentionCall& call) override;
+  AttentionPlanPtr plan_attention(const AttentionCall& call) override;
 };
 
 }  // namespace dimattn::torch_backend

@@ -44,17 +44,26 @@ AttentionParams Backend::attention_params_of(const AttentionCall& call) {
   return attention_params(call, LayoutClass::separate, false);
 }
 
-Decision Backend::decide_attention(const AttentionCall& call) {
-  const AttentionParams params = attention_params_of(call);
-  return select_kernel(name(), params, attention_table());
+const KernelEntry* find_kernel(const KernelTable& table, DeviceType device, const std::string& name) {
+  for (const KernelEntry& e : table)
+    if (e.device == device && e.name == name) return &e;
+  return nullptr;
 }
 
-Tensor Backend::run_attention(const AttentionCall& call, const std::string& kernel) {
-  const DeviceType device = call.query.device().type;
-  for (const KernelEntry& e : attention_table())
-    if (e.device == device && e.name == kernel && e.run) return e.run(*this, call);
-  detail::fail("dot_attention", "backend '", name(), "' has no attention kernel '", kernel, "' on ",
-               device_name(call.query.device()));
+AttentionPlanPtr Backend::plan_attention(const AttentionCall& call) {
+  auto plan = std::make_shared<AttentionPlan>();
+  const KernelTable& table = attention_table();
+  plan->decision = select_kernel(name(), attention_params_of(call), table);
+  plan->entry = find_kernel(table, call.query.device().type, plan->decision.kernel);
+  return plan;
+}
+
+Decision Backend::decide_attention(const AttentionCall& call) { return plan_attention(call)->decision; }
+
+Tensor Backend::run_attention(const AttentionCall& call, const AttentionPlan& plan) {
+  if (plan.entry && plan.entry->run) return plan.entry->run(*this, call, plan);
+  detail::fail("dot_attention", "backend '", name(), "' has no attention kernel '", plan.decision.kernel, "' on ",
+               device_name(call.query.device()), " to run");
 }
 
 AttentionCallGrads Backend::attention_backward(const AttentionCall&, const Tensor&) {

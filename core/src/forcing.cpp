@@ -11,10 +11,12 @@
 #include "dimattn/ext/backend.h"
 #include "dimattn/registry.h"
 #include "dimattn/internal/check.h"
+#include "dimattn/internal/counters.h"
 
 namespace dimattn {
 namespace {
 thread_local std::optional<KernelForce> t_force;
+thread_local std::string t_spec;  // t_force->describe(), when t_force
 std::atomic<bool> g_deterministic{false};
 }  // namespace
 
@@ -79,17 +81,27 @@ KernelForce current_kernel_force() {
   return cached;
 }
 
+std::string current_kernel_force_spec() {
+  if (t_force) return t_spec;
+  const char* env = std::getenv("DIMATTN_SDPA");
+  if (!env || !*env) return "auto";
+  return current_kernel_force().describe();
+}
+
 ForceKernels::ForceKernels(const std::string& spec) : had_saved_(t_force.has_value()) {
   KernelForce f = parse_kernel_force(spec);
   if (had_saved_) saved_ = *t_force;
   t_force = f;
+  t_spec = f.describe();
 }
 
 ForceKernels::~ForceKernels() {
-  if (had_saved_)
+  if (had_saved_) {
     t_force = saved_;
-  else
+    t_spec = saved_.describe();
+  } else {
     t_force.reset();
+  }
 }
 
 }  // namespace dimattn

@@ -38,6 +38,17 @@ bool is_row_major_contiguous(const ViewLayout& v) {
   return true;
 }
 
+std::pair<int64_t, int64_t> element_span(std::span<const int64_t> sizes, std::span<const int64_t> strides,
+                                         int64_t offset) {
+  int64_t lo = offset, hi = offset;
+  for (size_t a = 0; a < sizes.size(); ++a) {
+    if (sizes[a] == 0) return {offset, offset - 1};
+    const int64_t reach = (sizes[a] - 1) * strides[a];
+    (reach < 0 ? lo : hi) += reach;
+  }
+  return {lo, hi};
+}
+
 bool has_zero_strides(const ViewLayout& v) {
   for (size_t a = 0; a < v.sizes.size(); ++a)
     if (v.sizes[a] > 1 && v.strides[a] == 0) return true;
@@ -48,16 +59,7 @@ namespace {
 
 bool last_unit(const ViewLayout& v) { return v.sizes.empty() || v.sizes.back() == 1 || v.strides.back() == 1; }
 
-// The element range [first, last] a view can touch.
-std::pair<int64_t, int64_t> span(const ViewLayout& v) {
-  int64_t lo = v.offset, hi = v.offset;
-  for (size_t a = 0; a < v.sizes.size(); ++a) {
-    if (v.sizes[a] == 0) return {v.offset, v.offset - 1};
-    const int64_t reach = (v.sizes[a] - 1) * v.strides[a];
-    (reach < 0 ? lo : hi) += reach;
-  }
-  return {lo, hi};
-}
+std::pair<int64_t, int64_t> span(const ViewLayout& v) { return element_span(v.sizes, v.strides, v.offset); }
 
 int64_t numel(const ViewLayout& v) {
   int64_t n = 1;

@@ -76,8 +76,8 @@ struct KeyHash {
 struct Cache {
   std::mutex mu;
   std::unordered_map<Key, Decision, KeyHash> decisions;
-  uint64_t lookups = 0, selections = 0;
-  std::atomic<uint64_t> copies{0};
+  uint64_t selections = 0;
+  std::atomic<uint64_t> lookups{0}, copies{0}, epoch{0};
 };
 Cache& cache() {
   static Cache* c = new Cache;  // never destroyed: selection may run during static destruction
@@ -122,8 +122,8 @@ Decision cached_decision(const std::string& backend, const AttentionParams& para
   Cache& c = cache();
   Key key{backend, params};
   {
-    std::lock_guard lock(c.mu);
     ++c.lookups;
+    std::lock_guard lock(c.mu);
     if (auto it = c.decisions.find(key); it != c.decisions.end()) return it->second;
   }
   Decision d = decide(params, candidates());  // gates run outside the lock; may throw
@@ -157,17 +157,21 @@ Decision select_kernel(const std::string& backend, const AttentionParams& params
 SelectionStats selection_stats() {
   Cache& c = cache();
   std::lock_guard lock(c.mu);
-  return {c.lookups, c.selections, c.decisions.size(), c.copies.load()};
+  return {c.lookups.load(), c.selections, c.decisions.size(), c.copies.load()};
 }
 
 void count_layout_copy() { ++cache().copies; }
+void count_selection_lookup() { ++cache().lookups; }
+uint64_t selection_epoch() { return cache().epoch.load(std::memory_order_acquire); }
 
 void reset_selection_cache() {
   Cache& c = cache();
   std::lock_guard lock(c.mu);
   c.decisions.clear();
-  c.lookups = c.selections = 0;
+  c.lookups = 0;
+  c.selections = 0;
   c.copies = 0;
+  ++c.epoch;
 }
 
 AttentionParams attention_params(const AttentionCall& call, LayoutClass layout, bool requires_grad) {
@@ -195,7 +199,7 @@ AttentionParams attention_params(const AttentionCall& call, LayoutClass layout, 
   p.layout = layout;
   p.requires_grad = requires_grad;
   p.deterministic = deterministic_algorithms();
-  p.forced = current_kernel_force().describe();
+  p.forced = current_kernel_force_spec();
   return p;
 }
 

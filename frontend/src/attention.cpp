@@ -250,7 +250,7 @@ Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& valu
     // T = 0). It runs the reference path, which every backend has and which
     // keeps autograd connected; selection still runs first, so that forcing
     // a kernel that cannot take the call fails as it would for any size.
-    query.backend().decide_attention(call);
+    query.backend().plan_attention(call);
     Tensor out = restore(reference_attention(call).output);
     if (TraceScope::active())
       TraceScope::record({kReferenceKernel, out, std::nullopt, std::nullopt, q.shape(), k.shape(), v.shape()});
@@ -258,11 +258,14 @@ Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& valu
   }
   // dot_attention owns the choice: the backend decides, the reference path
   // runs here, a fused kernel in the backend.
+  // The plan is made once per call: what the backend derived to decide is
+  // what it runs.
   Backend& be = query.backend();
-  const Decision d = be.decide_attention(call);
-  Tensor out = restore(d.kernel == kReferenceKernel ? reference_attention(call).output : be.run_attention(call, d.kernel));
+  const AttentionPlanPtr plan = be.plan_attention(call);
+  const std::string& kernel = plan->decision.kernel;
+  Tensor out = restore(kernel == kReferenceKernel ? reference_attention(call).output : be.run_attention(call, *plan));
   if (TraceScope::active())
-    TraceScope::record({d.kernel, out, std::nullopt, std::nullopt, q.shape(), k.shape(), v.shape()});
+    TraceScope::record({kernel, out, std::nullopt, std::nullopt, q.shape(), k.shape(), v.shape()});
   return out;
 }
 

@@ -98,9 +98,9 @@ class Backend {
 
   // --- attention ---
   // dot_attention owns the choice between its reference path (frontend) and
-  // a fused kernel: it asks decide_attention, runs the reference path itself
-  // when that is the decision, and else asks run_attention to run the
-  // chosen kernel. Both read the backend's kernel table.
+  // a fused kernel: it asks plan_attention, runs the reference path itself
+  // when that is the decision, and else asks run_attention to run the plan.
+  // Both read the backend's kernel table.
   //
   // Every attention kernel of this backend, devices mixed, each device's in
   // priority order ending with the reference entry (kernel_table.h).
@@ -110,11 +110,16 @@ class Backend {
   // detected from the views its kernels would read. Default: `separate`,
   // no gradients.
   virtual AttentionParams attention_params_of(const AttentionCall& call);
-  // The decision for `call`, with every rejected candidate's reason.
+  // The plan for `call`: its decision, with every rejected candidate's
+  // reason, and what the backend derived to reach it (kernel_table.h).
+  // Default: attention_params_of and select_kernel over attention_table().
+  virtual AttentionPlanPtr plan_attention(const AttentionCall& call);
+  // plan_attention(call)'s decision.
   Decision decide_attention(const AttentionCall& call);
-  // Runs `kernel`, which decide_attention chose for `call` (never the
-  // reference path); returns the output (dims as AttentionCall says).
-  Tensor run_attention(const AttentionCall& call, const std::string& kernel);
+  // Runs the fused kernel `plan` chose for `call` (never the reference
+  // path); returns the output (dims as AttentionCall says).
+  // pre: plan = plan_attention(call) on this backend.
+  Tensor run_attention(const AttentionCall& call, const AttentionPlan& plan);
   // Gradients of the call's output with respect to query, keys and values
   // for an upstream gradient over the output's dims, through a fused kernel:
   // for backends without autograd (dot_attention_backward). Recomputes the

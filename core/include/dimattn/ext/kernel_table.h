@@ -4,6 +4,7 @@
 // what `dimattn explain` lists and what run_attention runs. Nothing else
 // lists or dispatches kernels by name (DESIGN.md §4).
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 namespace dimattn {
 
 class Backend;
+struct AttentionPlan;
 
 struct KernelEntry {
   std::string name;  // as in forcing, logs, explain, the CLI and its JSON
@@ -23,11 +25,29 @@ struct KernelEntry {
   // What the kernel needs of q, k and v in its form; views that miss it are
   // copied (and counted) before the kernel runs.
   LayoutRequirements layout;
-  // Runs the kernel on a call its gate accepted; empty for the reference
-  // path, which dot_attention runs itself.
-  std::function<Tensor(Backend&, const AttentionCall&)> run;
+  // Runs the kernel on a call its gate accepted, with the plan that chose
+  // it; empty for the reference path, which dot_attention runs itself.
+  std::function<Tensor(Backend&, const AttentionCall&, const AttentionPlan&)> run;
 };
 using KernelTable = std::vector<KernelEntry>;
+
+// One call's plan: the decision and what the backend derived from the call to
+// reach it (for the fused kernels, the kernel form: adapters/kernel_form.h),
+// made once per call by Backend::plan_attention and handed to run_attention,
+// so that nothing is derived twice per call. A plan holds nothing of the call
+// that made it but what follows from its structure (which role each dim has,
+// extents, strides, dtype, device, the options that select), never values,
+// pointers or Dims, so that a backend may cache plans by that structure and
+// reuse one for every call that has it (docs/selection.md).
+struct AttentionPlan {
+  virtual ~AttentionPlan() = default;
+  Decision decision;
+  const KernelEntry* entry = nullptr;  // the chosen entry of the backend's table
+};
+using AttentionPlanPtr = std::shared_ptr<const AttentionPlan>;
+
+// The table's entry for (device, name); null when there is none.
+const KernelEntry* find_kernel(const KernelTable& table, DeviceType device, const std::string& name);
 
 // The reference path's entry, last on every device of every table.
 KernelEntry reference_entry(DeviceType device);

@@ -5,7 +5,9 @@
 // right; here a kernel reads the strides it is given, and its requirements on
 // them are data checked before it runs.
 #include <cstdint>
+#include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dimattn/selection.h"
@@ -22,6 +24,9 @@ struct ViewLayout {
 };
 
 bool is_row_major_contiguous(const ViewLayout& v);
+// The element range [first, last] a view can touch ([offset, offset - 1] when empty).
+std::pair<int64_t, int64_t> element_span(std::span<const int64_t> sizes, std::span<const int64_t> strides,
+                                         int64_t offset);
 bool has_zero_strides(const ViewLayout& v);  // a broadcast axis of size > 1
 
 LayoutClass classify_layout(const ViewLayout& q, const ViewLayout& k, const ViewLayout& v);
