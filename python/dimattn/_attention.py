@@ -132,9 +132,16 @@ class Decision:
 # --- encoding a call -----------------------------------------------------------------
 
 class _Call:
-    """One call's dims as unique names, its auxiliary tensors and its spec entries."""
+    """One call's dims as unique names, its auxiliary tensors and its spec entries.
 
-    def __init__(self):
+    Only the lengths of ``axis`` reach the op: padding masks the kv axis and
+    nothing else (a padded query row is computed like any row), so every other
+    dim crosses as static, its size the operands' padded extent. That also lets
+    the axis's lengths vary over a dim that is itself dynamic (a history whose
+    length depends on batch and time), which dimattn's Dims do not take."""
+
+    def __init__(self, axis: Dim):
+        self.axis = axis
         self.dims: List[Dim] = []
         self.names: List[str] = []
         self.aux: List[torch.Tensor] = []
@@ -151,7 +158,7 @@ class _Call:
             name = f"{base}#{i}"
         self.dims.append(d)
         self.names.append(name)
-        if d.lengths is not None:
+        if d is self.axis and d.lengths is not None:
             # The lengths' own dims get names first; then the entry.
             over = ",".join(self.name(e) for e in d.lengths.dims)
             self.aux.append(d.lengths.raw)
@@ -214,7 +221,7 @@ def _check_operand(name: str, x) -> None:
 
 def _encode(query, keys, values, key_dim, axis, att_dropout, att_dropout_broadcast, causal_query_spatial_dim,
             causal_offset, scale, train, out_dims, energy_dims=None):
-    c = _Call()
+    c = _Call(axis)
     e = c.entries
     e.append("q=" + c.names_of(query.dims))
     e.append("k=" + c.names_of(keys.dims))
