@@ -139,10 +139,20 @@ struct Call {
   AttentionOptions opts{Dim("unset", 0), Dim("unset", 0)};
 };
 
+// A model makes the same few calls every step: their specs are parsed once
+// per thread.
+const CallSpec& parsed(c10::string_view text) {
+  thread_local std::map<std::string, CallSpec, std::less<>> specs;
+  const auto it = specs.find(text);
+  if (it != specs.end()) return it->second;
+  if (specs.size() >= 256) specs.clear();
+  return specs.emplace(std::string(text), parse_call_spec(text)).first->second;
+}
+
 Call make_call(c10::string_view spec_text, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                at::TensorList aux) {
   Call c;
-  c.spec = parse_call_spec(spec_text);
+  c.spec = parsed(spec_text);
   const CallSpec& s = c.spec;
   c.table.emplace(s, q, k, v, aux);
   const DimTable& t = *c.table;
@@ -282,20 +292,24 @@ std::vector<std::string> kernel_names_op() { return all_kernel_names(); }
 
 // --- autograd ---
 
+const auto& dot_attention_op_handle() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dimattn::dot_attention", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               at::TensorList, c10::string_view)>();
+  return op;
+}
+
 class DotAttentionFunction : public torch::autograd::Function<DotAttentionFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const std::vector<at::Tensor>& aux, const std::string& spec) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("dimattn::dot_attention", "")
-                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                 at::TensorList, c10::string_view)>();
     const at::AutoDispatchBelowADInplaceOrView below;
     std::vector<at::Tensor> saved{q, k, v};
     saved.insert(saved.end(), aux.begin(), aux.end());
     ctx->save_for_backward(saved);
     ctx->saved_data["spec"] = spec;
-    return op.call(q, k, v, aux, spec);
+    return dot_attention_op_handle().call(q, k, v, aux, spec);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -316,6 +330,11 @@ class DotAttentionFunction : public torch::autograd::Function<DotAttentionFuncti
 
 at::Tensor dot_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   at::TensorList aux, c10::string_view spec) {
+  if (!at::GradMode::is_enabled() || !(q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+    // Nothing to record (inference): straight to the device kernel.
+    const at::AutoDispatchBelowADInplaceOrView below;
+    return dot_attention_op_handle().call(q, k, v, aux, spec);
+  }
   return DotAttentionFunction::apply(q, k, v, aux.vec(), std::string(spec));
 }
 

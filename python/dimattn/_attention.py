@@ -267,6 +267,14 @@ def _encode(query, keys, values, key_dim, axis, att_dropout, att_dropout_broadca
     return ";".join(e), c.aux
 
 
+_forward = ops.dot_attention.default
+
+# Encodings of recent eager calls (dims and options -> spec, aux, result dims),
+# oldest first. Holds the Dims it was keyed by, so their ids stay unique.
+_encodings: dict = {}
+_ENCODINGS_KEPT = 256
+
+
 def _raise_as_error(err: RuntimeError):
     msg = str(err)
     if msg.startswith("[") or "[dot_attention]" in msg or "[from_aten]" in msg:
@@ -290,9 +298,38 @@ def dot_attention(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, 
     one mask over ``axis`` shared by every other dim. ``scale`` defaults to
     1/sqrt(size(key_dim)).
     """
+    train = _state.train if train is None else bool(train)
+    if not torch.compiler.is_compiling() and not _state.traces and type(causal_offset) in (type(None), int):
+        # Eager: the encoding of a call is a function of its dims' identities
+        # and options, so repeated calls with the same Dims reuse it.
+        try:
+            key = (query.dims, keys.dims, values.dims, key_dim, axis, att_dropout, att_dropout_broadcast,
+                   causal_query_spatial_dim, causal_offset, scale, train, _state.force[-1] if _state.force else None)
+            hit = _encodings.get(key)
+        except (AttributeError, TypeError):  # not dimattn.Tensors: the checks below say so
+            key = hit = None
+        if hit is None and key is not None:
+            for name, x in (("query", query), ("keys", keys), ("values", values)):
+                _check_operand(name, x)
+            out_dims = _out_dims(query, keys, values, key_dim, axis)
+            spec, aux = _encode(query, keys, values, key_dim, axis, att_dropout, att_dropout_broadcast,
+                                causal_query_spatial_dim, causal_offset, scale, train, out_dims)
+            seeded = train and bool(att_dropout)
+            if len(_encodings) >= _ENCODINGS_KEPT:
+                _encodings.pop(next(iter(_encodings)))
+            _encodings[key] = (spec, aux[:-1] if seeded else aux, out_dims, seeded)
+        elif hit is not None:
+            spec, aux, out_dims, seeded = hit
+            if seeded:  # a new seed per call, as _encode draws it
+                aux = aux + [torch.randint(0, 2**62, (), dtype=torch.int64)]
+        if key is not None:
+            try:
+                out = _forward(query.raw, keys.raw, values.raw, aux, spec)
+            except RuntimeError as err:
+                _raise_as_error(err)
+            return Tensor._trusted(out, out_dims)
     for name, x in (("query", query), ("keys", keys), ("values", values)):
         _check_operand(name, x)
-    train = _state.train if train is None else bool(train)
     out_dims = _out_dims(query, keys, values, key_dim, axis)
     args = (query, keys, values, key_dim, axis, att_dropout, att_dropout_broadcast, causal_query_spatial_dim,
             causal_offset, scale, train)
@@ -301,7 +338,7 @@ def dot_attention(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, 
         return _traced_call(traces, args, out_dims)
     spec, aux = _encode(*args, out_dims)
     try:
-        out = ops.dot_attention(query.raw, keys.raw, values.raw, aux, spec)
+        out = _forward(query.raw, keys.raw, values.raw, aux, spec)
     except RuntimeError as err:
         _raise_as_error(err)
     return Tensor(out, out_dims)
@@ -319,7 +356,7 @@ def _traced_call(traces, args, out_dims) -> Tensor:
             # and weights from the same call traced.
             with force("reference"):
                 spec, aux = _encode(*args, out_dims, energy_dims)
-            out = ops.dot_attention(query.raw, keys.raw, values.raw, aux, spec)
+            out = _forward(query.raw, keys.raw, values.raw, aux, spec)
             with torch.no_grad():
                 energy, weights = ops.dot_attention_trace(query.raw, keys.raw, values.raw, aux, spec)
             kernel = "reference"
@@ -329,7 +366,7 @@ def _traced_call(traces, args, out_dims) -> Tensor:
             kernel = ops.explain(query.raw, keys.raw, values.raw, aux, spec).split("\x1e", 1)[0].split("\x1d")[0]
             torch.random.set_rng_state(state)
             spec, aux = _encode(*args, out_dims)
-            out = ops.dot_attention(query.raw, keys.raw, values.raw, aux, spec)
+            out = _forward(query.raw, keys.raw, values.raw, aux, spec)
             energy = weights = None
     except RuntimeError as err:
         _raise_as_error(err)
