@@ -8,6 +8,7 @@ become entries. A new option is a keyword here and one entry in ``_encode``.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from typing import List, Optional, Sequence, Union
 
@@ -61,8 +62,7 @@ class force:
     variable DIMATTN_SDPA (same syntax) applies."""
 
     def __init__(self, kernels: str):
-        known = set(kernel_names()) | {"auto"}
-        unknown = [k for k in kernels.split(",") if k.strip() not in known]
+        unknown = [k for k in kernels.split(",") if k.strip() not in _KERNEL_NAMES and k.strip() != "auto"]
         if unknown:
             raise Error(f"[force] unknown kernel {', '.join(unknown)}; known: auto, {', '.join(kernel_names())}")
         self.kernels = kernels
@@ -76,9 +76,14 @@ class force:
         return False
 
 
+# Fixed once the library is loaded; read here, not through the op, so that
+# force() works inside torch.compile too.
+_KERNEL_NAMES = tuple(ops.kernel_names())
+
+
 def kernel_names() -> List[str]:
     """Every kernel name of the built library: "reference" and its backends' kernels."""
-    return list(ops.kernel_names())
+    return list(_KERNEL_NAMES)
 
 
 @dataclasses.dataclass
@@ -352,6 +357,10 @@ def _traced_call(traces, args, out_dims) -> Tensor:
     state = torch.random.get_rng_state()
     try:
         if capture:
+            forced = _state.force[-1] if _state.force else os.environ.get("DIMATTN_SDPA", "auto")
+            if forced.strip() not in ("", "auto") and "reference" not in [k.strip() for k in forced.split(",")]:
+                raise Error(f"[dot_attention] a trace capturing energies needs the reference path, but kernels are "
+                            f"forced to '{forced}'; use trace(capture_tensors=False) to trace only kernel names")
             # The output through the reference path (with autograd), energies
             # and weights from the same call traced.
             with force("reference"):

@@ -116,3 +116,24 @@ def test_compile_inductor_no_graph_break():
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
     compiled = torch.compile(block, fullgraph=True)
     assert (compiled(q.raw, k.raw, v.raw) - block(q.raw, k.raw, v.raw)).abs().max() <= 1e-5
+
+
+def test_compile_dynamic_lengths_and_sizes_without_recompiling_and_forcing_inside():
+    def f(q, k, v, lens):
+        B, T, H, Dh = q.shape
+        batch, heads, feat = da.Dim("batch", B), da.Dim("heads", H), da.Dim("feat", Dh)
+        time = da.Dim.dynamic("time", da.Tensor(lens, [batch]))
+        dims = [batch, time, heads, feat]
+        with da.force("reference"):
+            out = da.dot_attention(da.Tensor(q, dims), da.Tensor(k, dims), da.Tensor(v, dims), key_dim=feat,
+                                   axis=time, causal_query_spatial_dim=time)
+        return out.raw_in(dims)
+
+    torch._dynamo.reset()
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    for t in (5, 7, 9):
+        q = torch.randn(2, t, 3, 4)
+        lens = torch.tensor([t, 2])
+        assert (compiled(q, q, q, lens) - f(q, q, q, lens)).abs().max() <= 1e-6
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1

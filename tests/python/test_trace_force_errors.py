@@ -44,6 +44,12 @@ def test_trace_without_capture_names_the_kernel_and_nests():
     assert len(inner.records) == 1 and inner.records[0].energy is not None
 
 
+def test_capturing_trace_with_kernels_forced_away_from_reference_is_an_error():
+    q, k, v, batch, heads, time, feat, vfeat = operands()
+    with da.trace(), da.force("cpu_flash"), pytest.raises(da.Error, match="needs the reference path"):
+        da.dot_attention(q, k, v, key_dim=feat, axis=time)
+
+
 def test_traced_output_keeps_autograd():
     q, k, v, batch, heads, time, feat, vfeat = operands()
     q.raw.requires_grad_(True)
