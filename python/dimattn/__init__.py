@@ -1,0 +1,17 @@
+"""dimattn for PyTorch: dot_attention over named dims as a torch custom op.
+
+    import dimattn
+    batch, heads, feat = dimattn.Dim("batch", 2), dimattn.Dim("heads", 4), dimattn.Dim("feat", 16)
+    time = dimattn.Dim.dynamic("time", dimattn.Tensor(torch.tensor([7, 5]), [batch]))
+    q = dimattn.Tensor(torch.randn(2, 4, 7, 16), [batch, heads, time, feat])
+    out = dimattn.dot_attention(q, k, v, key_dim=feat, axis=time, causal_query_spatial_dim=time)
+
+See docs/python.md.
+"""
+from ._core import Dim, Error, Tensor
+from ._attention import (AttentionTrace, Decision, Rejection, dot_attention, explain, force, kernel_names, trace,
+                         train_flag, train_scope)
+
+__all__ = ["Dim", "Error", "Tensor", "AttentionTrace", "Decision", "Rejection", "dot_attention", "explain", "force",
+           "kernel_names", "trace", "train_flag", "train_scope"]
+__version__ = "0.1.0"

@@ -1,0 +1,139 @@
+"""Autograd (gradcheck in float64), torch.library.opcheck and torch.compile
+(fullgraph, no graph break) through the op."""
+import pytest
+import torch
+
+import dimattn as da
+from dimattn._attention import _encode, _out_dims
+from conftest import named
+
+B, H, T, D = 2, 2, 5, 4
+
+
+def case(dtype=torch.float64, requires_grad=True):
+    batch, heads, time, feat, vfeat = (da.Dim("batch", B), da.Dim("heads", H), da.Dim("time", T), da.Dim("feat", D),
+                                       da.Dim("vfeat", 3))
+    lens = da.Tensor(torch.tensor([5, 3]), [batch])
+    kv = da.Dim.dynamic("kv", lens)
+    q = named([batch, heads, time, feat], 1, dtype, requires_grad)
+    k = named([batch, heads, (kv, T), feat], 2, dtype, requires_grad)
+    v = named([batch, heads, (kv, T), vfeat], 3, dtype, requires_grad)
+    return q, k, v, feat, kv, time
+
+
+OPTIONS = {
+    "plain": {},
+    "causal_padded": {"causal": True},
+    "causal_offset": {"causal": True, "offset": True},
+    "scale": {"scale": 0.3},
+}
+
+
+def call(q, k, v, feat, kv, time, causal=False, offset=False, scale=None, **extra):
+    return da.dot_attention(q, k, v, key_dim=feat, axis=kv, causal_query_spatial_dim=time if causal else None,
+                            causal_offset=0 if offset else None, scale=scale, **extra)
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_gradcheck_float64(name):
+    q, k, v, feat, kv, time = case()
+    opts = OPTIONS[name]
+
+    def f(qr, kr, vr):
+        return call(da.Tensor(qr, q.dims), da.Tensor(kr, k.dims), da.Tensor(vr, v.dims), feat, kv, time, **opts).raw
+
+    assert torch.autograd.gradcheck(f, (q.raw, k.raw, v.raw))
+
+
+@pytest.mark.parametrize("kernel", ["reference", "cpu_flash"])
+def test_gradients_with_dropout_match_between_kernels(kernel):
+    q, k, v, feat, kv, time = case()
+    grads = []
+    for force in ("reference", kernel):
+        torch.manual_seed(3)
+        with da.force(force):
+            out = call(q, k, v, feat, kv, time, att_dropout=0.4, train=True)
+            g = torch.autograd.grad(out.raw.sin().sum(), (q.raw, k.raw, v.raw))
+        grads.append(g)
+    for a, b in zip(*grads):
+        assert (a - b).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_opcheck(name):
+    q, k, v, feat, kv, time = case(torch.float32)
+    o = OPTIONS[name]
+    out_dims = _out_dims(q, k, v, feat, kv)
+    spec, aux = _encode(q, k, v, feat, kv, 0.0, False, time if o.get("causal") else None,
+                        0 if o.get("offset") else None, o.get("scale"), False, out_dims)
+    torch.library.opcheck(torch.ops.dimattn.dot_attention.default, (q.raw, k.raw, v.raw, aux, spec))
+
+
+def test_opcheck_with_dropout_seed():
+    q, k, v, feat, kv, time = case(torch.float32)
+    spec, aux = _encode(q, k, v, feat, kv, 0.25, True, None, None, None, True, _out_dims(q, k, v, feat, kv))
+    assert len(aux) == 2  # the lengths and the seed
+    torch.library.opcheck(torch.ops.dimattn.dot_attention.default, (q.raw, k.raw, v.raw, aux, spec))
+
+
+class Block(torch.nn.Module):
+    """A module calling dimattn between torch ops, as a model would."""
+
+    def __init__(self, feat, kv, time, heads_dim, batch):
+        super().__init__()
+        self.feat, self.kv, self.time, self.heads, self.batch = feat, kv, time, heads_dim, batch
+        self.proj = torch.nn.Linear(D, D, dtype=torch.float64)
+
+    def forward(self, q, k, v):
+        vfeat = da.Dim("vfeat", v.shape[-1])
+        qn = da.Tensor(self.proj(q), [self.batch, self.heads, self.time, self.feat])
+        kn = da.Tensor(k, [self.batch, self.heads, self.kv, self.feat])
+        vn = da.Tensor(v, [self.batch, self.heads, self.kv, vfeat])
+        out = da.dot_attention(qn, kn, vn, key_dim=self.feat, axis=self.kv, causal_query_spatial_dim=self.time,
+                               causal_offset=0)
+        return out.raw_in([self.batch, self.heads, self.time, vfeat]).tanh()
+
+
+def test_compile_fullgraph_equals_eager_with_gradients():
+    q, k, v, feat, kv, time = case()
+    block = Block(feat, kv, time, q.dims[1], q.dims[0])
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    outs, grads = [], []
+    for m in (block, compiled):
+        out = m(q.raw, k.raw, v.raw)
+        grads.append(torch.autograd.grad(out.sum(), (q.raw, k.raw, v.raw, block.proj.weight)))
+        outs.append(out)
+    assert (outs[0] - outs[1]).abs().max() <= 1e-12
+    for a, b in zip(*grads):
+        assert (a - b).abs().max() <= 1e-12
+
+
+def test_compile_inductor_no_graph_break():
+    q, k, v, feat, kv, time = case(torch.float32, requires_grad=False)
+    block = Block(feat, kv, time, q.dims[1], q.dims[0]).float()
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(block)(q.raw, k.raw, v.raw)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    compiled = torch.compile(block, fullgraph=True)
+    assert (compiled(q.raw, k.raw, v.raw) - block(q.raw, k.raw, v.raw)).abs().max() <= 1e-5
+
+
+def test_compile_dynamic_lengths_and_sizes_without_recompiling_and_forcing_inside():
+    def f(q, k, v, lens):
+        B, T, H, Dh = q.shape
+        batch, heads, feat = da.Dim("batch", B), da.Dim("heads", H), da.Dim("feat", Dh)
+        time = da.Dim.dynamic("time", da.Tensor(lens, [batch]))
+        dims = [batch, time, heads, feat]
+        with da.force("reference"):
+            out = da.dot_attention(da.Tensor(q, dims), da.Tensor(k, dims), da.Tensor(v, dims), key_dim=feat,
+                                   axis=time, causal_query_spatial_dim=time)
+        return out.raw_in(dims)
+
+    torch._dynamo.reset()
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    for t in (5, 7, 9):
+        q = torch.randn(2, t, 3, 4)
+        lens = torch.tensor([t, 2])
+        assert (compiled(q, q, q, lens) - f(q, q, q, lens)).abs().max() <= 1e-6
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1
