@@ -121,7 +121,9 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
   // Few rows of float32 (decoding): read k and v rows in place, no packing.
   // v's rows are the product's B operand as they are, so their padded width
   // must stay inside each row: Dv a multiple of the vector width.
-  const bool direct = std::is_same_v<S, A> && m <= 4 && Dv % W == 0;
+  // Dv = 0 (an empty value feature dim) packs instead: the padded width of an
+  // empty v would be read past its end (found by fuzz_dot_attention).
+  const bool direct = std::is_same_v<S, A> && m <= 4 && Dv > 0 && Dv % W == 0;
 
   for (int64_t j0 = mask.lo(r0) / w.bk * w.bk; j0 < kv_end; j0 += w.bk) {
     const int64_t n = std::min(w.bk, kv_end - j0), np = round_up(n, W);
