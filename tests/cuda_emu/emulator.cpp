@@ -180,15 +180,21 @@ void check_warp(int warp);
   __sanitizer_finish_switch_fiber(nullptr, &emu().main_stack_bottom, &emu().main_stack_size);
 #endif
   Emulator& e = emu();
-  (*e.body)();
-  Thread* t = e.current;
-  if (!t->uncommitted.empty() || !t->groups.empty())
-    record("cp.async copies issued and never waited for at exit, " + thread_name(t->linear));
-  t->state = State::done;
-  // A waiting warp whose lane exits can never complete; a barrier whose other
-  // threads all wait completes now.
-  check_warp(t->linear / 32);
-  check_block_barrier();
+  try {
+    (*e.body)();
+    Thread* t = e.current;
+    if (!t->uncommitted.empty() || !t->groups.empty())
+      record("cp.async copies issued and never waited for at exit, " + thread_name(t->linear));
+    t->state = State::done;
+    // A waiting warp whose lane exits can never complete; a barrier whose
+    // other threads all wait completes now.
+    check_warp(t->linear / 32);
+    check_block_barrier();
+  } catch (const Aborted&) {
+    // fatal() unwound this thread's frames (their temporaries freed); it
+    // never runs again, nor does the rest of the block.
+    e.current->state = State::done;
+  }
   switch_to_scheduler(true);
   __builtin_unreachable();
 }
@@ -221,14 +227,14 @@ void switch_to(Thread& t) {
   e.current = nullptr;
 }
 
-// Ends the block: records the message and never returns to the fiber.
+// Ends the block: records the message and unwinds the calling thread's
+// stack to fiber_main (so that nothing on it leaks), which then leaves.
 [[noreturn]] void fatal(const std::string& what) {
   Emulator& e = emu();
   record(what);
   if (e.fatal_message.empty()) e.fatal_message = what;
   e.aborted = true;
-  switch_to_scheduler(false);
-  __builtin_unreachable();
+  throw Aborted{};
 }
 
 // --- collectives ---
