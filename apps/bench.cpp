@@ -29,9 +29,12 @@ const char* const kSummary =
     "self-attention and cross-attention with a beam dim (query {batch, heads, beam=4,\n"
     "time=T/4, feat} vs encoder {batch, heads, enc=T, feat}); B=8, 8 heads, D=64, on every\n"
     "available device and registered backend. Prints a table on stdout (progress on stderr\n"
-    "when it is a terminal). Kernels that cannot run a config are listed with the reason.";
+    "when it is a terminal). Kernels that cannot run a config are listed with the reason.\n"
+    "Variant options (--window-left, --softcap, --bias, ...) apply to every config that can\n"
+    "take them; a config that cannot (a bias over the query time in self-attention, a right\n"
+    "window with causal) is left out.";
 
-const std::vector<Option> kOptions = {
+const std::vector<Option> kOptions = with_variant_options({
     {"quick", "", "short run (< 1 min on 2 cores): float32 only, T 32,256, 5 repeats"},
     {"kernels", "a,b", "time only these kernels (the reference and auto always run)"},
     {"device", "cpu|cuda", "one device (default: cpu, and cuda where a backend runs on it)"},
@@ -43,7 +46,7 @@ const std::vector<Option> kOptions = {
     {"warmup", "N", "untimed runs before timing (default 2; 1 for calls slower than 2 s)"},
     {"json", "FILE", "write every record as JSON (schema: docs/cli.md)"},
     {"plot", "FILE.svg", "write time vs T per kernel, one panel per kind, as SVG"},
-};
+});
 
 struct Settings {
   std::vector<Device> devices;
@@ -52,6 +55,7 @@ struct Settings {
   std::vector<int64_t> seqs;
   int warmup = 2, repeats = 20;
   double budget_s = 2;  // per timed row, once 3 runs are done
+  AttentionCase variants;  // the variant options, applied to every config that can take them
 };
 
 struct Config {
@@ -95,6 +99,7 @@ Settings parse_settings(const Args& a) {
   s.warmup = static_cast<int>(a.integer("warmup", quick ? 1 : 2, 1));
   if (quick) s.budget_s = 0.3;
   if (a.value("threads")) set_threads(a.integer("threads", 0, 1));
+  apply_variants(a, s.variants);
 
   s.backends = a.texts("backend", backend_names());
   for (const std::string& b : s.backends)
@@ -133,6 +138,10 @@ std::vector<Config> suite(const Settings& s) {
                       .batch = 8, .heads = 8, .groups = cross ? 4 : 1, .group_name = "beam",
                       .seq_q = cross ? std::max<int64_t>(1, T / 4) : T, .seq_k = T, .head_dim = 64,
                       .head_dim_v = 64, .causal = std::string(kind) == "causal"};
+            const AttentionCase& v = s.variants;
+            p.window_left = v.window_left, p.window_right = v.window_right, p.softcap = v.softcap;
+            p.alibi = v.alibi, p.sinks = v.sinks, p.bias = v.bias, p.mask = v.mask;
+            if (testing::invalid_reason(p)) continue;  // e.g. a bias over the query time in self-attention
             out.push_back({kind, p});
           }
     }

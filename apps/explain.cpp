@@ -22,7 +22,7 @@ const char* const kSummary =
     "would run (explain_attention; nothing runs), and prints the selection params, the\n"
     "chosen kernel and, for every other candidate, why it was rejected.";
 
-const std::vector<Option> kOptions = {
+const std::vector<Option> kOptions = with_variant_options({
     {"backend", "NAME", "backend (default: the default backend)"},
     {"device", "DEV", "cpu, cuda or cuda:N (default cpu)"},
     {"dtype", "DTYPE", "float32, float64, bfloat16 or float16 (default float32)"},
@@ -44,7 +44,7 @@ const std::vector<Option> kOptions = {
     {"train", "", "train flag on (dropout acts) and q, k, v requiring gradients where the backend has autograd"},
     {"deterministic", "", "deterministic algorithms only"},
     {"force", "SPEC", "kernel forcing as DIMATTN_SDPA: auto, reference or a,b (default auto)"},
-};
+});
 
 AttentionCase problem_of(const Args& a) {
   AttentionCase p;
@@ -77,6 +77,7 @@ AttentionCase problem_of(const Args& a) {
     if (!p.lengths.empty()) a.fail("padded", "give either --padded or --lengths");
     p.lengths.assign(static_cast<size_t>(p.batch), p.seq_k);
   }
+  apply_variants(a, p);
   check_kernel_names("force", a.texts("force", {}));
   validate(p);
   return p;
@@ -101,6 +102,12 @@ std::string params_line(const D& d, const AttentionCase& p, const Operands& ops)
     a.dropout_broadcast = a.dropout && p.broadcast_dropout;
     a.padding = !p.lengths.empty();
     a.gqa_ratio = p.groups;
+    a.window = p.window_left || p.window_right;
+    a.softcap = p.softcap.has_value();
+    a.alibi = p.alibi;
+    a.sinks = p.sinks;
+    a.bias = !p.bias.empty();
+    a.mask = !p.mask.empty();
     a.requires_grad = ops.q.requires_grad();
     a.deterministic = deterministic_algorithms();
     a.forced = current_kernel_force().describe();

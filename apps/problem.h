@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "cli_args.h"
 #include "dimattn/tensor.h"
 #include "dimattn/testing/cases.h"
 
@@ -23,6 +24,12 @@ using testing::run_forced;
 // Throws UsageError when the sizes and flags do not make one call (the
 // case library's rule; the CLI also wants non-negative offsets).
 void validate(const AttentionCase& p);
+
+// The attention variants as options (--window-left, --softcap, --alibi,
+// --sinks, --bias, --mask, ...), shared by the subcommands that describe a
+// call, and their values applied to a case.
+std::vector<Option> with_variant_options(std::vector<Option> options);
+void apply_variants(const Args& a, AttentionCase& p);
 
 // Throws UsageError naming `option` when a name is neither a kernel nor "auto".
 void check_kernel_names(const std::string& option, const std::vector<std::string>& names);

@@ -78,7 +78,8 @@ const char* kUsage =
     "  --memory            peak memory of the T=32768, B*H=8, D=64 float32 forward, each\n"
     "                      implementation in a fresh child process (no grid)\n"
     "  --memory-T=N --memory-bh=N --memory-D=N   its size\n"
-    "  --memory-no-aten    measure ours only\n";
+    "  --memory-no-aten    measure ours only\n"
+    "  --memory-bias       also ours with a float32 bias over {heads, T, T} and over {T, T}\n";
 
 }  // namespace
 
@@ -117,6 +118,7 @@ Options parse(int argc, char** argv) {
       else if (a == "--no-ref") o.reference = false;
       else if (a == "--memory") o.memory = true;
       else if (a == "--memory-no-aten") o.mem_aten = false;
+      else if (a == "--memory-bias") o.mem_bias = true;
       else if ((v = value_of(a, "--threads"))) o.threads = std::stoi(*v);
       else if ((v = value_of(a, "--T"))) o.T = split_ints(*v);
       else if ((v = value_of(a, "--D"))) o.D = split_ints(*v);

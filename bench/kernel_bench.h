@@ -43,7 +43,8 @@ struct Options {
   bool memory = false;
   int64_t mem_T = 32768, mem_bh = 8, mem_D = 64;
   bool mem_aten = true;
-  std::string memory_child;  // internal: "ours" or "aten"
+  bool mem_bias = false;     // also ours with a float32 bias over {heads, Tq, Tk} and over {Tq, Tk}
+  std::string memory_child;  // internal: "ours", "ours-bias-htk", "ours-bias-tk" or "aten"
 };
 
 // Prints msg and the usage to stderr and exits with status 2.
@@ -84,7 +85,7 @@ k::ParallelFor aten_parallel_for();
 int grid_mode(const Options& o, RunInfo info);
 // --memory (kernel_bench_memory.cpp): runs memory_child in fresh processes.
 int memory_mode(const Options& o, RunInfo info);
-// --memory-child=ours|aten: one measurement, printed as a "MEMORY ..." line.
+// --memory-child=ours|ours-bias-htk|ours-bias-tk|aten: one measurement, printed as a "MEMORY ..." line.
 int memory_child(const Options& o);
 
 }  // namespace dimattn::bench::kernel_bench

@@ -1,5 +1,8 @@
 // kernel_bench --memory: the peak memory of one large forward of each
-// implementation, each measured in a fresh child process.
+// implementation, each measured in a fresh child process; with
+// --memory-bias also ours with an additive bias over {heads, T, T} and one
+// {T, T} plane broadcast to every head (the bias is an input: created before
+// the peak is reset, so any growth is what the kernel adds).
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <malloc.h>
 #include <unistd.h>
@@ -19,8 +22,10 @@ namespace dimattn::bench::kernel_bench {
 // In a fresh process: create inputs and outputs, warm up the pool on a small
 // call, reset the peak RSS, run the forward, print the peak growth.
 int memory_child(const Options& o) {
-  const bool ours = o.memory_child == "ours";
-  if (!ours && o.memory_child != "aten") usage_error("--memory-child is ours or aten");
+  const std::string& child = o.memory_child;
+  const bool ours = child.rfind("ours", 0) == 0;
+  if (child != "ours" && child != "ours-bias-htk" && child != "ours-bias-tk" && child != "aten")
+    usage_error("--memory-child is ours, ours-bias-htk, ours-bias-tk or aten");
   const int64_t T = o.mem_T, H = o.mem_bh, D = o.mem_D;
   {  // warm-up: thread pool, lazy initialisation
     Problem w = make_problem(1, H, 128, D, at::kFloat, false, false);
@@ -29,6 +34,18 @@ int memory_child(const Options& o) {
   }
   at::manual_seed(0);
   Problem pr = make_problem(1, H, T, D, at::kFloat, false, false);
+  // A bias over {heads, T, T}, or one {T, T} plane every head reads (offset 0).
+  at::Tensor bias;
+  std::vector<int64_t> bias_offsets(static_cast<size_t>(H), 0);
+  if (child != "ours" && ours) {
+    const bool per_head = child == "ours-bias-htk";
+    bias = at::randn(per_head ? std::vector<int64_t>{H, T, T} : std::vector<int64_t>{T, T}) * 0.1;
+    for (int64_t h = 0; h < H; ++h) bias_offsets[static_cast<size_t>(h)] = per_head ? h * T * T : 0;
+    pr.p.bias = bias.data_ptr();
+    pr.p.bias_offsets = bias_offsets.data();
+    pr.p.bias_row_stride = T;
+    pr.p.bias_col_stride = 1;
+  }
   malloc_trim(0);
   {
     std::ofstream clear("/proc/self/clear_refs");
@@ -48,7 +65,8 @@ int memory_child(const Options& o) {
   const int64_t peak = status_bytes("VmHWM:") - rss0;
   // Output bytes the call allocated itself (ATen returns new out and lse).
   const int64_t own_outputs = ours ? 0 : aout.nbytes() + alse.nbytes();
-  const int64_t inputs = 3 * pr.q.nbytes(), outputs = pr.out.nbytes() + pr.lse.nbytes();
+  const int64_t inputs = 3 * pr.q.nbytes() + (bias.defined() ? bias.nbytes() : 0),
+                outputs = pr.out.nbytes() + pr.lse.nbytes();
   std::printf("MEMORY %s %ld %ld %ld %ld %.3f\n", o.memory_child.c_str(), static_cast<long>(peak),
               static_cast<long>(own_outputs), static_cast<long>(inputs), static_cast<long>(outputs), t);
   return 0;
@@ -70,6 +88,7 @@ int memory_mode(const Options& o, RunInfo info) {
   print_table_header({"implementation", "peak RSS growth during the call", "of which outputs it allocated",
                       "beyond inputs and outputs", "goal < 256 MiB", "time s", "GFLOP/s"});
   std::vector<std::string> impls = {"ours"};
+  if (o.mem_bias) impls.insert(impls.end(), {"ours-bias-htk", "ours-bias-tk"});
   if (o.mem_aten) impls.push_back("aten");
   std::string json_rows;
   bool ok = true;
@@ -90,7 +109,11 @@ int memory_mode(const Options& o, RunInfo info) {
     }
     const double mib = 1024.0 * 1024.0;
     const double beyond = (peak - own) / mib;
-    print_table_row({impl == "ours" ? "ours (cpu_flash)" : "ATen CPU flash", strprintf("%.1f MiB", peak / mib),
+    const std::string name = impl == "ours"            ? "ours (cpu_flash)"
+                             : impl == "ours-bias-htk" ? "ours, bias {heads, T, T}"
+                             : impl == "ours-bias-tk"  ? "ours, bias {T, T} to every head"
+                                                       : "ATen CPU flash";
+    print_table_row({name, strprintf("%.1f MiB", peak / mib),
                      strprintf("%.1f MiB", own / mib), strprintf("%.1f MiB", beyond), beyond < 256 ? "met" : "not met",
                      strprintf("%.1f", t), strprintf("%.1f", flops / t / 1e9)});
     json_rows += std::string(json_rows.empty() ? "" : ",") + "\n    {\"impl\": " + json_string(impl) +

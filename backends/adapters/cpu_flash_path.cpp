@@ -56,6 +56,7 @@ FlashForward flash_forward(Backend& be, const AttentionCall& c, const FlashLayou
   const HostView out = host(be, f.out), lse = host(be, f.lse);
   FlashParams pr;
   flash_params(pr, c, l, q, k, v);
+  const ScoreOperands so = score_operands(be, c, pr, host_memory(be));
   set_forward_outputs(pr.p, out, lse);
   run_kernel([&] { kernels::flash_attention_forward_cpu(pr.p, pf); });
   return f;
@@ -71,10 +72,14 @@ FlashGrads flash_backward(Backend& be, const AttentionCall& c, const FlashLayout
   const HostView dq = host(be, g.q), dk = host(be, g.k), dv = host(be, g.v);
   FlashParams pr;
   flash_params(pr, c, l, q, k, v);
+  const ScoreOperands so = score_operands(be, c, pr, host_memory(be));
   set_forward_outputs(pr.p, out, lse);
   set_backward_tensors(pr.p, d, dq, dk, dv);
+  RawPtr dbias;
+  if (c.bias && (!be.has_autograd() || c.bias->requires_grad()))
+    dbias = bias_gradient_buffer(be, pr, c, host_memory(be), kCPU);
   run_kernel([&] { kernels::flash_attention_backward_cpu(pr.p, pf); });
-  return {g, std::move(pr.dsinks)};
+  return {g, std::move(pr.dsinks), dbias};
 }
 
 Tensor cpu_flash_attention(Backend& be, const AttentionCall& c, const KernelForm& form, const kernels::ParallelFor& pf) {
@@ -119,7 +124,8 @@ AttentionCallGrads cpu_flash_attention_backward(Backend& be, const AttentionCall
   return {named(g.q, join({kv_heads, c.query_groups, {c.query_spatial, c.key_dim}})),
           named(g.k, join({kv_heads, {c.kv_spatial, c.key_dim}})),
           named(g.v, join({kv_heads, {c.kv_spatial}, c.value_feature})),
-          c.sinks ? std::optional<Tensor>(sinks_gradient(be, c, grads.dsinks)) : std::nullopt};
+          c.sinks ? std::optional<Tensor>(sinks_gradient(be, c, grads.dsinks)) : std::nullopt,
+          c.bias ? std::optional<Tensor>(bias_gradient(be, c, grads.dbias)) : std::nullopt};
 }
 
 namespace {

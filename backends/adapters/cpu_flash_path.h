@@ -23,11 +23,14 @@ struct FlashForward {
 };
 FlashForward flash_forward(Backend& be, const AttentionCall& c, const FlashLayout& l, const FlashInputs& in,
                            const kernels::ParallelFor& pf);
-// dout [B, H, Tq, Dv] -> dq, dk, dv in the shapes of the inputs, and with
-// sinks d(sinks) per (b, h) (kernel_form.h's sinks_gradient names it).
+// dout [B, H, Tq, Dv] -> dq, dk, dv in the shapes of the inputs; with sinks
+// d(sinks) per (b, h) (kernel_form.h's sinks_gradient names it); with a bias
+// that needs one (backends without autograd: always), d(bias) as
+// kernel_form.h's bias_gradient_buffer lays it out.
 struct FlashGrads {
   FlashInputs inputs;
   std::vector<double> dsinks;
+  RawPtr dbias;
 };
 FlashGrads flash_backward(Backend& be, const AttentionCall& c, const FlashLayout& l, const FlashInputs& in,
                           const FlashForward& fwd, const RawPtr& dout, const kernels::ParallelFor& pf);

@@ -182,6 +182,79 @@ void flash_params(FlashParams& pr, const AttentionCall& c, const FlashLayout& l,
   }
 }
 
+DType accumulation_dtype(const AttentionCall& c) {
+  return c.query.dtype() == DType::float64 ? DType::float64 : DType::float32;
+}
+
+namespace {
+
+// Where each (b, h) plane of `t` (over a subset of the call's per-head dims
+// and its query and kv positions) starts, from its strides (`v` is its
+// memory), and its row and column strides.
+void plane_offsets(const AttentionCall& c, const Tensor& t, const HostView& v, std::vector<int64_t>& offsets,
+                   int64_t& row_stride, int64_t& col_stride) {
+  auto stride_of = [&](const Dim& d) {
+    const int a = t.axis_of(d);
+    return a < 0 || d.extent() == 1 ? int64_t{0} : v.strides[static_cast<size_t>(a)];
+  };
+  const Dims flat = per_head_dims(c);
+  int64_t n = 1;
+  for (const Dim& d : flat) n *= d.extent();
+  offsets.assign(static_cast<size_t>(n), 0);
+  // Row-major over flat: each dim's index times its stride in t.
+  int64_t inner = 1;
+  for (size_t a = flat.size(); a-- > 0;) {
+    const int64_t extent = flat[a].extent(), stride = stride_of(flat[a]);
+    if (stride != 0)
+      for (int64_t x = 0; x < n; ++x) offsets[static_cast<size_t>(x)] += (x / inner) % extent * stride;
+    inner *= extent;
+  }
+  row_stride = stride_of(c.query_spatial);
+  col_stride = stride_of(c.kv_spatial);
+}
+
+}  // namespace
+
+ScoreOperands score_operands(Backend& be, const AttentionCall& c, FlashParams& pr, const MemoryView& mem) {
+  ScoreOperands s;
+  kernels::AttentionKernelParams& p = pr.p;
+  if (c.bias) {
+    const DType acc = accumulation_dtype(c);
+    s.bias = be.contiguous(c.bias->dtype() == acc ? c.bias->raw() : be.cast(c.bias->raw(), acc));
+    const HostView v = mem(s.bias);
+    plane_offsets(c, *c.bias, v, pr.bias_offsets, p.bias_row_stride, p.bias_col_stride);
+    p.bias = v.data;
+    p.bias_offsets = pr.bias_offsets.data();
+  }
+  if (c.mask) {
+    s.mask = be.contiguous(c.mask->raw());
+    const HostView v = mem(s.mask);
+    plane_offsets(c, *c.mask, v, pr.mask_offsets, p.mask_row_stride, p.mask_col_stride);
+    p.mask = static_cast<const uint8_t*>(v.data);
+    p.mask_offsets = pr.mask_offsets.data();
+  }
+  return s;
+}
+
+RawPtr bias_gradient_buffer(Backend& be, FlashParams& pr, const AttentionCall& c, const MemoryView& mem,
+                            Device device) {
+  Shape shape;
+  int64_t n = 1;
+  for (const Dim& d : c.bias->dims()) shape.push_back(d.extent()), n *= d.extent();
+  RawPtr dbias = be.full(shape, 0.0, accumulation_dtype(c), device);
+  // Laid out as the contiguous bias of score_operands: its offsets and strides hold.
+  pr.p.dbias = mem(dbias).data;
+  const kernels::AttentionKernelParams& p = pr.p;
+  pr.p.dbias_shared = n < p.batch * p.heads * p.seqlen_q * p.seqlen_k;
+  return dbias;
+}
+
+Tensor bias_gradient(Backend& be, const AttentionCall& c, const RawPtr& dbias) {
+  const Tensor& bias = *c.bias;
+  const RawPtr g = bias.dtype() == accumulation_dtype(c) ? dbias : be.cast(dbias, bias.dtype());
+  return Tensor(bias.dims(), bias.dtype(), bias.device(), g, &be);
+}
+
 Dims per_head_dims(const AttentionCall& c) { return join({batch_head_dims(c), c.query_groups}); }
 
 Tensor sinks_gradient(Backend& be, const AttentionCall& c, const std::vector<double>& dsinks) {

@@ -102,6 +102,8 @@ struct FlashParams {
   // Per (b, h) of the kernel (flat index b * H + h): ALiBi slopes, sink
   // logits, and d(sinks) written by the backward pass.
   std::vector<double> slopes, sinks, dsinks;
+  // Per (b, h): where the bias and mask planes start (score_operands).
+  std::vector<int64_t> bias_offsets, mask_offsets;
   FlashParams() = default;
   FlashParams(const FlashParams&) = delete;
   FlashParams& operator=(const FlashParams&) = delete;
@@ -114,6 +116,25 @@ Dims per_head_dims(const AttentionCall& c);
 // d(sinks) per (b, h) summed over the dims the call's sinks lack, as a tensor
 // over the sinks' dims on `be` (dtype and device of the sinks).
 Tensor sinks_gradient(Backend& be, const AttentionCall& c, const std::vector<double>& dsinks);
+// The call's bias and mask as the kernels read them: the bias in the
+// accumulation type, the mask as bytes, each contiguous over its own dims
+// (views when they are so already: never expanded over the dims they lack).
+// Points pr.p at their memory (`mem`: host or device, as the kernel reads
+// it), with per-(b, h) plane offsets in pr and row and column strides, 0
+// where they lack a dim. The result keeps the memory alive; null members
+// when the call has no bias or mask.
+struct ScoreOperands {
+  RawPtr bias, mask;
+};
+ScoreOperands score_operands(Backend& be, const AttentionCall& c, FlashParams& pr, const MemoryView& mem);
+// d(bias) for the kernel to write: zeros laid out as score_operands' bias,
+// on `device`; p.dbias points at it (and p.dbias_shared says whether bias
+// elements are shared by several (b, h, i, j)). pre: score_operands ran.
+RawPtr bias_gradient_buffer(Backend& be, FlashParams& pr, const AttentionCall& c, const MemoryView& mem,
+                            Device device);
+// That buffer as the gradient of the call's bias: over its dims, in its dtype.
+Tensor bias_gradient(Backend& be, const AttentionCall& c, const RawPtr& dbias);
+
 // out [B, H, Tq, Dv] and lse [B, H, Tq]: written by the forward pass, read by the backward pass.
 void set_forward_outputs(kernels::AttentionKernelParams& p, const HostView& out, const HostView& lse);
 void set_backward_tensors(kernels::AttentionKernelParams& p, const HostView& dout, const HostView& dq,

@@ -2,6 +2,7 @@
 // numpy broadcasting. Float arithmetic runs as Eigen array expressions over
 // contiguous runs (packet math); everything else as a plain strided loop.
 #include <cmath>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -185,7 +186,11 @@ void unary_kernel(const EigenRaw& x, EigenRaw& out) {
         Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>> dst(o, n);
         auto v = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(s, n).template cast<C>();
         if constexpr (Op == UnaryOp::neg) dst = (-v).template cast<T>();
-        else if constexpr (Op == UnaryOp::exp) dst = v.exp().template cast<T>();
+        // Eigen's vectorized exp clamps its argument, so exp(-inf) would be
+        // ~2e-39 instead of 0 (a masked weight that is not 0): results below
+        // the smallest normal number are 0, as std::exp gives for -inf.
+        else if constexpr (Op == UnaryOp::exp)
+          dst = (v < std::log(std::numeric_limits<C>::min())).select(C(0), v.exp()).template cast<T>();
         else if constexpr (Op == UnaryOp::log) dst = v.log().template cast<T>();
         else if constexpr (Op == UnaryOp::sqrt) dst = v.sqrt().template cast<T>();
         else if constexpr (Op == UnaryOp::tanh) dst = v.tanh().template cast<T>();

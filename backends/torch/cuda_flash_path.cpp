@@ -71,6 +71,8 @@ std::vector<at::Tensor> to_device_arrays(detail::FlashParams& pr, c10::Device de
   upload(pr.offset, pr.p.causal_offset, at::kLong);
   upload(pr.slopes, pr.p.alibi_slopes, at::kDouble);
   upload(pr.sinks, pr.p.sinks, at::kDouble);
+  upload(pr.bias_offsets, pr.p.bias_offsets, at::kLong);
+  upload(pr.mask_offsets, pr.p.mask_offsets, at::kLong);
   if (pr.p.dsinks) {
     keep.push_back(empty_on({static_cast<int64_t>(pr.dsinks.size())}, at::kDouble, device));
     pr.p.dsinks = keep.back().mutable_data_ptr<double>();
@@ -100,14 +102,16 @@ struct CudaFlashInfo : torch::CustomClassHolder {
 
 class CudaFlashFunction : public torch::autograd::Function<CudaFlashFunction> {
  public:
-  // sinks: as CpuFlashFunction's (torch_attention.cpp).
+  // sinks, bias: as CpuFlashFunction's (torch_attention.cpp).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const at::Tensor& /*sinks*/, c10::intrusive_ptr<CudaFlashInfo> info) {
+                            const at::Tensor& v, const at::Tensor& /*sinks*/, const at::Tensor& /*bias*/,
+                            c10::intrusive_ptr<CudaFlashInfo> info) {
     const c10::DeviceGuard guard(q.device());
     const detail::FlashLayout& l = info->layout;
     const at::Tensor qr = kernel_readable(q), kr = kernel_readable(k), vr = kernel_readable(v);
     detail::FlashParams pr;
     detail::flash_params(pr, info->call, l, memory_of(qr), memory_of(kr), memory_of(vr));
+    const detail::ScoreOperands so = detail::score_operands(*info->be, info->call, pr, memory_of_raw);
     const at::Tensor out = empty_on({l.B, l.Hkv * l.G, l.Tq, l.Dv}, q.scalar_type(), q.device());
     const at::Tensor lse = empty_on({l.B, l.Hkv * l.G, l.Tq}, at::kFloat, q.device());
     detail::set_forward_outputs(pr.p, memory_of(out), memory_of(lse));
@@ -127,6 +131,11 @@ class CudaFlashFunction : public torch::autograd::Function<CudaFlashFunction> {
     const at::Tensor dout = kernel_readable(grads[0]);
     detail::FlashParams pr;
     detail::flash_params(pr, info->call, info->layout, memory_of(q), memory_of(k), memory_of(v));
+    const detail::ScoreOperands so = detail::score_operands(*info->be, info->call, pr, memory_of_raw);
+    const AttentionCall& call = info->call;
+    RawPtr dbias;
+    if (call.bias && call.bias->requires_grad())
+      dbias = detail::bias_gradient_buffer(*info->be, pr, call, memory_of_raw, call.query.device());
     detail::set_forward_outputs(pr.p, memory_of(out), memory_of(lse));
     const at::Tensor dq = empty_on(q.sizes(), q.scalar_type(), q.device());
     const at::Tensor dk = empty_on(k.sizes(), k.scalar_type(), k.device());
@@ -145,7 +154,8 @@ class CudaFlashFunction : public torch::autograd::Function<CudaFlashFunction> {
       const std::vector<double> host(x, x + d.numel());
       dsinks = as_aten(detail::sinks_gradient(*info->be, info->call, host).raw());
     }
-    return {dq, dk, dv, dsinks, at::Tensor()};
+    const at::Tensor dbias_t = dbias ? as_aten(detail::bias_gradient(*info->be, info->call, dbias).raw()) : at::Tensor();
+    return {dq, dk, dv, dsinks, dbias_t, at::Tensor()};
   }
 };
 
@@ -154,7 +164,8 @@ class CudaFlashFunction : public torch::autograd::Function<CudaFlashFunction> {
 Tensor cuda_flash_attention(TorchBackend& be, const AttentionCall& c, const detail::KernelForm& form) {
   const detail::FlashInputs in = detail::flash_inputs(be, form, detail::aligned_inputs(be, c, form), memory_of_raw);
   at::Tensor out = CudaFlashFunction::apply(as_aten(in.q), as_aten(in.k), as_aten(in.v),
-                                            sinks_input(c), c10::make_intrusive<CudaFlashInfo>(&be, c, form.layout));
+                                            sinks_input(c), bias_input(c),
+                                            c10::make_intrusive<CudaFlashInfo>(&be, c, form.layout));
   return detail::flash_output(be, c, wrap(out));
 }
 

@@ -14,9 +14,11 @@ namespace dimattn::torch_backend {
 // is the call's kernel form (from its plan).
 Tensor cuda_flash_attention(TorchBackend& be, const AttentionCall& call, const detail::KernelForm& form);
 
-// The call's sinks as an autograd input of the fused functions (cpu_flash's
-// and cuda_flash's), so that d(sinks) reaches them; an empty tensor without
-// sinks, since autograd functions take no undefined inputs.
+// The call's sinks and bias as autograd inputs of the fused functions
+// (cpu_flash's and cuda_flash's), so that their gradients reach them; an
+// empty tensor without, since autograd functions take no undefined inputs.
+// The kernels read their values through the call.
 at::Tensor sinks_input(const AttentionCall& call);
+at::Tensor bias_input(const AttentionCall& call);
 
 }  // namespace dimattn::torch_backend

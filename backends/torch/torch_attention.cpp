@@ -49,6 +49,10 @@ bool is_16bit(DType d) { return d == DType::bfloat16 || d == DType::float16; }
 // costs; soft-capping and sinks they cannot express. dimattn's own kernels
 // (cpu_flash, cuda_flash) compute them in the tiles.
 GateResult variants_gate(const AttentionParams& p) {
+  if (p.bias || p.mask)
+    return GateResult::fail(std::string("takes no ") + (p.bias ? "bias" : "boolean mask") +
+                            " from dimattn: ATen's attn_mask could carry it, but without d(bias) on every kernel "
+                            "and with the masks combined by the caller; cpu_flash and cuda_flash read it per tile");
   const char* what = p.window ? "a sliding window" : p.alibi ? "ALiBi" : p.softcap ? "soft-capping" : p.sinks ? "sinks" : nullptr;
   if (!what) return GateResult::pass();
   return GateResult::fail(std::string("takes no ") + what +
@@ -287,7 +291,8 @@ class CpuFlashFunction : public torch::autograd::Function<CpuFlashFunction> {
   // sinks: the call's sinks tensor (undefined without), an input so that
   // autograd routes d(sinks) to it; the kernel reads its values through the call.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const at::Tensor& /*sinks*/, c10::intrusive_ptr<CpuFlashInfo> info) {
+                            const at::Tensor& v, const at::Tensor& /*sinks*/, const at::Tensor& /*bias*/,
+                            c10::intrusive_ptr<CpuFlashInfo> info) {
     const detail::FlashForward f =
         detail::flash_forward(*info->be, info->call, info->layout, {wrap(q), wrap(k), wrap(v)}, aten_parallel_for());
     const at::Tensor out = as_aten(f.out);
@@ -303,9 +308,10 @@ class CpuFlashFunction : public torch::autograd::Function<CpuFlashFunction> {
     const detail::FlashGrads g = detail::flash_backward(
         *info->be, info->call, info->layout, {wrap(saved[0]), wrap(saved[1]), wrap(saved[2])},
         {wrap(saved[3]), wrap(saved[4])}, wrap(grads[0]), aten_parallel_for());
-    at::Tensor dsinks;
+    at::Tensor dsinks, dbias;
     if (info->call.sinks) dsinks = as_aten(detail::sinks_gradient(*info->be, info->call, g.dsinks).raw());
-    return {as_aten(g.inputs.q), as_aten(g.inputs.k), as_aten(g.inputs.v), dsinks, at::Tensor()};
+    if (g.dbias) dbias = as_aten(detail::bias_gradient(*info->be, info->call, g.dbias).raw());
+    return {as_aten(g.inputs.q), as_aten(g.inputs.k), as_aten(g.inputs.v), dsinks, dbias, at::Tensor()};
   }
 };
 
@@ -321,7 +327,8 @@ Tensor run_cpu_flash(Backend& be, const AttentionCall& c, const AttentionPlan& p
   const detail::KernelForm& form = form_of(plan);
   const detail::FlashInputs in = detail::flash_inputs(be, c, form);
   at::Tensor out = CpuFlashFunction::apply(as_aten(in.q), as_aten(in.k), as_aten(in.v),
-                                           sinks_input(c), c10::make_intrusive<CpuFlashInfo>(&torch, c, form.layout));
+                                           sinks_input(c), bias_input(c),
+                                           c10::make_intrusive<CpuFlashInfo>(&torch, c, form.layout));
   return detail::flash_output(be, c, wrap(out));
 }
 
@@ -339,6 +346,10 @@ KernelEntry aten_entry(const char* name, DeviceType device, GateResult (*gate)(c
 
 at::Tensor sinks_input(const AttentionCall& c) {
   return c.sinks ? as_aten(c.sinks->raw()) : at::empty({0});
+}
+
+at::Tensor bias_input(const AttentionCall& c) {
+  return c.bias ? as_aten(c.bias->raw()) : at::empty({0});
 }
 
 const KernelTable& TorchBackend::attention_table() const {

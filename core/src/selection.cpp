@@ -35,7 +35,8 @@ std::string AttentionParams::describe() const {
      << " broadcast_dropout=" << dropout_broadcast << " padding=" << padding << " gqa_ratio=" << gqa_ratio
      << " keys_only=" << keys_only << " layout=" << layout_name(layout) << " requires_grad=" << requires_grad
      << " deterministic=" << deterministic << " window=" << window << " softcap=" << softcap << " alibi=" << alibi
-     << " sinks=" << sinks << " sinks_grad=" << sinks_grad << " forced=" << forced;
+     << " sinks=" << sinks << " sinks_grad=" << sinks_grad << " bias=" << bias << " bias_grad=" << bias_grad
+     << " mask=" << mask << " forced=" << forced;
   return os.str();
 }
 
@@ -52,7 +53,8 @@ size_t AttentionParamsHash::operator()(const AttentionParams& p) const {
   mix((uint64_t{p.causal} << 0) | (uint64_t{p.dropout} << 1) | (uint64_t{p.dropout_broadcast} << 2) |
       (uint64_t{p.padding} << 3) | (uint64_t{p.keys_only} << 4) | (uint64_t{p.requires_grad} << 5) |
       (uint64_t{p.deterministic} << 6) | (uint64_t{p.window} << 7) | (uint64_t{p.softcap} << 8) |
-      (uint64_t{p.alibi} << 9) | (uint64_t{p.sinks} << 10) | (uint64_t{p.sinks_grad} << 11));
+      (uint64_t{p.alibi} << 9) | (uint64_t{p.sinks} << 10) | (uint64_t{p.sinks_grad} << 11) |
+      (uint64_t{p.bias} << 12) | (uint64_t{p.bias_grad} << 13) | (uint64_t{p.mask} << 14));
   return h;
 }
 
@@ -196,6 +198,9 @@ AttentionParams attention_params(const AttentionCall& call, LayoutClass layout, 
   p.alibi = call.alibi_slopes.has_value();
   p.sinks = call.sinks.has_value();
   p.sinks_grad = p.sinks && call.sinks->requires_grad();
+  p.bias = call.bias.has_value();
+  p.bias_grad = p.bias && call.bias->requires_grad();
+  p.mask = call.mask.has_value();
   p.layout = layout;
   p.requires_grad = requires_grad;
   p.deterministic = deterministic_algorithms();

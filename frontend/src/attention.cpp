@@ -173,6 +173,28 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
   };
   if (o.alibi_slopes) check_per_head(*o.alibi_slopes, "alibi_slopes");
   if (o.sinks) check_per_head(*o.sinks, "sinks");
+  // Bias and mask: over the call's dims but features; `axis` is the kv
+  // position (relabelled with the kv side in self-attention).
+  auto check_scores = [&](const Tensor& t, const char* what) {
+    common_backend(kOp, {&query, &t});
+    for (const Dim& d : t.dims())
+      DIMATTN_CHECK(d == o.axis || contains(per_head, d), kOp, what, " ", repr(t.dims()), " has dim ",
+                    d.repr(), ", which is not a dim it may vary over: batch dims ", repr(batch), ", the query's own ",
+                    "dims ", repr(query_only), ", keys-only dims ", repr(keys_only), " and axis ", o.axis.repr(),
+                    same_name_hint(query, d, "query's"), "; feature dims never carry a ", what);
+    return query.has(o.axis) && t.has(o.axis) ? replace_dim(t, o.axis, kv_axis) : t;
+  };
+  std::optional<Tensor> bias, mask;
+  if (o.bias) {
+    DIMATTN_CHECK(is_floating(o.bias->dtype()), kOp, "bias must be a floating tensor, got ", o.bias->repr(),
+                  "; for a boolean mask pass mask");
+    bias = check_scores(*o.bias, "bias");
+  }
+  if (o.mask) {
+    DIMATTN_CHECK(o.mask->dtype() == DType::boolean, kOp, "mask must be a bool tensor (true = may attend), got ",
+                  o.mask->repr(), "; for an additive float mask pass bias");
+    mask = check_scores(*o.mask, "mask");
+  }
   DIMATTN_CHECK(!(o.sinks && o.sink_off_by_one), kOp, "sinks and sink_off_by_one are both set; the off-by-one ",
                 "sink is the fixed logit 0, learnable sinks are a tensor: choose one");
 
@@ -214,7 +236,9 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
                      .window_right = window_right,
                      .softcap = o.softcap.value_or(0.0),
                      .alibi_slopes = o.alibi_slopes,
-                     .sinks = o.sink_off_by_one ? std::optional<Tensor>(scalar(0.0, options_like(query))) : o.sinks};
+                     .sinks = o.sink_off_by_one ? std::optional<Tensor>(scalar(0.0, options_like(query))) : o.sinks,
+                     .bias = bias,
+                     .mask = mask};
 
   return {call, dummy};
 }

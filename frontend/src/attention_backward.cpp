@@ -33,6 +33,7 @@ AttentionGrads dot_attention_backward(const Tensor& query, const Tensor& keys, c
   AttentionGrads out{to_input_dims(g.query, query, c, opts.axis), to_input_dims(g.keys, keys, c, opts.axis),
                      to_input_dims(g.values, values, c, opts.axis), std::nullopt};
   if (opts.sinks && g.sinks) out.sinks = copy_transpose(*g.sinks, opts.sinks->dims());  // not for the off-by-one sink
+  if (opts.bias && g.bias) out.bias = to_input_dims(*g.bias, *opts.bias, c, opts.axis);
   return out;
 }
 

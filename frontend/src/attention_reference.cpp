@@ -81,10 +81,11 @@ ReferenceAttention reference_attention(const AttentionCall& c) {
   // product, as the fused kernels never read them (docs/errors.md).
   if (c.kv_spatial.is_dynamic()) v = where(sequence_mask(c.kv_spatial, options_like(v)), v, 0.0);
 
-  // The order of docs/numerics.md: scale, soft-capping, ALiBi, masks,
-  // softmax with the sink, dropout.
+  // The order of docs/numerics.md: scale, soft-capping, bias and ALiBi,
+  // masks, softmax with the sink, dropout.
   Tensor energy = matmul(mul(q, c.scale), k, {c.key_dim});
   if (c.softcap > 0) energy = mul(tanh(mul(energy, 1.0 / c.softcap)), c.softcap);
+  if (c.bias) energy = add(energy, cast(*c.bias, dt));
 
   // Positions along the diagonal: d = i + offset - j (query row i, kv j).
   const TensorOptions int_opts = options_like(energy, DType::int64);
@@ -102,24 +103,27 @@ ReferenceAttention reference_attention(const AttentionCall& c) {
   if (c.causal) require(compare(*diag, Compare::ge, 0.0));
   if (c.window_left >= 0) require(compare(*diag, Compare::le, static_cast<double>(c.window_left)));
   if (c.window_right >= 0) require(compare(*diag, Compare::ge, -static_cast<double>(c.window_right)));
+  if (c.mask) require(*c.mask);
 
   constexpr double kInf = std::numeric_limits<double>::infinity();
   Tensor weights = energy;
-  if (c.sinks) {
-    // The sink's logit joins the denominator: w = exp(e - m) / (sum exp(e - m)
-    // + exp(sink - m)) with m = max(max e, sink); a row without any valid
-    // position has weights 0 (all its mass on the sink).
-    const Tensor sink = cast(*c.sinks, dt);
-    Tensor e = valid ? where(*valid, energy, -kInf) : energy;
-    const Tensor m = maximum(reduce_max(e, {c.kv_spatial}), sink);
-    e = exp(sub(e, m));
-    weights = div(e, add(reduce_sum(e, {c.kv_spatial}), exp(sub(sink, m))));
-  } else if (valid) {
-    weights = where(*valid, energy, -kInf);
-    // A row without any valid position is NaN after softmax; the mask zeroes it.
-    weights = where(*valid, softmax(weights, c.kv_spatial), 0.0);
+  if (!valid && !c.sinks && !c.bias) {
+    weights = softmax(energy, c.kv_spatial);
   } else {
-    weights = softmax(weights, c.kv_spatial);
+    // w = exp(e - m) / (sum exp(e - m) + exp(sink - m)), m = max(max e, sink):
+    // the sink's logit joins the denominator. A row without any valid
+    // position (or with a -inf bias everywhere) has weights 0, never NaN:
+    // there m = -inf is taken as 0 and a zero denominator as 1.
+    const Tensor e = valid ? where(*valid, energy, -kInf) : energy;
+    std::optional<Tensor> sink;
+    if (c.sinks) sink = cast(*c.sinks, dt);
+    Tensor m = reduce_max(e, {c.kv_spatial});
+    if (sink) m = maximum(m, *sink);
+    m = where(compare(m, Compare::ne, -kInf), m, 0.0);
+    const Tensor x = exp(sub(e, m));
+    Tensor denom = reduce_sum(x, {c.kv_spatial});
+    if (sink) denom = add(denom, exp(sub(*sink, m)));
+    weights = div(x, where(compare(denom, Compare::ne, 0.0), denom, 1.0));
   }
   if (c.dropout > 0) {
     Tensor keep = attention_dropout_keep_mask(c, weights);

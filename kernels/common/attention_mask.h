@@ -110,32 +110,49 @@ DIMATTN_HD EntryMask entry_mask(const int64_t* q_lengths, const int64_t* kv_leng
 }
 
 // ---------------------------------------------------------------------------
-// Scores: soft-capping and ALiBi, in the log2 units the kernels use
+// Scores: soft-capping, bias, ALiBi and the boolean mask, in the log2 units the kernels use
 // (x = s * log2(e)); the order of AttentionKernelParams.
 
 DIMATTN_HD float tanh_of(float x) { return ::tanhf(x); }
 DIMATTN_HD double tanh_of(double x) { return ::tanh(x); }
 
 // F: the kernel's accumulation type (float, or double for float64).
+// The bias and mask pointers are those of one (b, h) plane
+// (AttentionKernelParams::bias, mask); the bias is in natural units.
 template <class F>
 struct ScoreMod {
   F cap = 0;    // softcap * log2(e); 0 = off
   F slope = 0;  // ALiBi slope * log2(e) of this (b, h); 0 = off
   int64_t offset = 0;
+  const F* bias = nullptr;
+  int64_t bias_row = 0, bias_col = 0;
+  const uint8_t* mask = nullptr;
+  int64_t mask_row = 0, mask_col = 0;
 
-  DIMATTN_HD bool on() const { return cap > 0 || slope != 0; }
-  // The modified score of raw x at (i, j); t receives tanh(x / cap) (for
-  // the backward pass: d(capped)/dx = 1 - t^2), 0 without soft-capping.
+  DIMATTN_HD bool on() const { return cap > 0 || slope != 0 || bias != nullptr || mask != nullptr; }
+  // Points at plane `plane` (flat b * heads + h) of a bias and a mask laid
+  // out as AttentionKernelParams says; a null tensor stays off.
+  DIMATTN_HD void set_planes(int64_t plane, const F* b, const int64_t* b_offsets, int64_t b_row, int64_t b_col,
+                             const uint8_t* m, const int64_t* m_offsets, int64_t m_row, int64_t m_col) {
+    if (b) bias = b + b_offsets[plane], bias_row = b_row, bias_col = b_col;
+    if (m) mask = m + m_offsets[plane], mask_row = m_row, mask_col = m_col;
+  }
+  // The modified score of raw x at (i, j), -inf where the mask forbids it;
+  // t receives tanh(x / cap) (for the backward pass: d(capped)/dx =
+  // 1 - t^2), 0 without soft-capping. pre: (i, j) is inside the call
+  // (the bias and mask are read there).
   DIMATTN_HD F apply(F x, int64_t i, int64_t j, F& t) const {
     t = 0;
     if (cap > 0) {
       t = tanh_of(x / cap);
       x = cap * t;
     }
+    if (bias != nullptr) x += static_cast<F>(1.4426950408889634) * bias[i * bias_row + j * bias_col];
     if (slope != 0) {
       const int64_t d = i + offset - j;
       x -= slope * static_cast<F>(d < 0 ? -d : d);
     }
+    if (mask != nullptr && mask[i * mask_row + j * mask_col] == 0) x = -static_cast<F>(INFINITY);
     return x;
   }
 };

@@ -19,6 +19,8 @@
 // and rows i >= q_len[b] are padding. A row that attends nothing gets out = 0
 // and lse = -inf (never NaN), matching the reference path's contract.
 //
+// and a boolean mask (the `mask` field) may forbid more elements.
+//
 // Dropout: the keep decision of element (b, h, i, j) is
 //   dropout_uniform(seed, rng_offset, b * heads + h, i, j) >= dropout_p
 // or dropout_uniform_broadcast(seed, rng_offset, j) >= dropout_p when
@@ -137,8 +139,8 @@ struct AttentionKernelParams {
   uint32_t rng_offset = 0;  // philox.h keys the counter with 32 bits
 
   // Variants, in this order (docs/numerics.md): scores s = scale * q . k;
-  // soft-capping; + ALiBi; masks (lengths, causal, window); softmax with the
-  // sink logit in its denominator; dropout.
+  // soft-capping; + bias + ALiBi; masks (lengths, causal, window, mask);
+  // softmax with the sink logit in its denominator; dropout.
   //
   // Sliding window around row i's diagonal i + causal_offset[b] (0 without
   // offsets): row i attends only kv j with
@@ -161,12 +163,36 @@ struct AttentionKernelParams {
   const double* sinks = nullptr;
   int64_t sinks_batch_stride = 0, sinks_head_stride = 0;
   double* dsinks = nullptr;
+  // Additive bias (after ALiBi) and boolean mask, each over any subset of a
+  // call's dims and never expanded to [batch, heads, seqlen_q, seqlen_k]:
+  // the plane of (b, h) starts at element bias_offsets[b * heads + h] of
+  // `bias`, element (i, j) of a plane is + i * bias_row_stride +
+  // j * bias_col_stride; a stride or offset repeats where the bias is
+  // broadcast. The bias is in the accumulation type (float64 for float64
+  // calls, else float32). mask: bytes, nonzero = may attend, indexed the
+  // same way with its own offsets and strides; combined with every other
+  // mask. nullptr = off.
+  const void* bias = nullptr;
+  const int64_t* bias_offsets = nullptr;
+  int64_t bias_row_stride = 0, bias_col_stride = 0;
+  const uint8_t* mask = nullptr;
+  const int64_t* mask_offsets = nullptr;
+  int64_t mask_row_stride = 0, mask_col_stride = 0;
+  // d(bias), written by the backward pass when not null (the forward pass ignores it): laid out as `bias`
+  // (same offsets and strides, accumulation type), zeroed by the caller;
+  // every (b, h, i, j) adds its gradient to its bias element, so broadcast
+  // dims are summed. dbias_shared: some elements receive several (b, h, i, j)
+  // (a stride or offset repeats), which kernels then add atomically.
+  void* dbias = nullptr;
+  bool dbias_shared = false;
 
   bool has_dropout() const { return dropout_p > 0.0; }
   bool has_window() const { return window_left >= 0 || window_right >= 0; }
   bool has_softcap() const { return softcap > 0.0; }
   // Whether scores need more than scaling (soft-capping or ALiBi).
-  bool modifies_scores() const { return has_softcap() || alibi_slopes != nullptr; }
+  bool modifies_scores() const {
+    return has_softcap() || alibi_slopes != nullptr || bias != nullptr || mask != nullptr;
+  }
   int64_t group_size() const { return heads / kv_heads; }  // query heads per kv head
 
   // Everything a caller can get wrong in the fields above, without reading
@@ -248,6 +274,13 @@ inline std::string AttentionKernelParams::validate(bool backward, ElementTypeSet
     return op + "sinks need dsinks ([batch, heads] float64) in the backward pass";
   if (alibi_batch_stride < 0 || alibi_head_stride < 0 || sinks_batch_stride < 0 || sinks_head_stride < 0)
     return op + "alibi_slopes and sinks need strides >= 0";
+  if (bias_row_stride < 0 || bias_col_stride < 0 || mask_row_stride < 0 || mask_col_stride < 0)
+    return op + "bias and mask need strides >= 0";
+  if (batch * heads * seqlen_q * seqlen_k > 0) {
+    if (bias != nullptr && bias_offsets == nullptr) return op + "bias needs bias_offsets ([batch * heads])";
+    if (mask != nullptr && mask_offsets == nullptr) return op + "mask needs mask_offsets ([batch * heads])";
+    if (dbias != nullptr && bias == nullptr) return op + "dbias is set but bias is not";
+  }
 
   struct T {
     const char* name;

@@ -1,6 +1,7 @@
 #include "cpu/flash_attention.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>

@@ -6,6 +6,7 @@
 // baseline definition, so nothing AVX2 leaks into code shared with other
 // translation units.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>

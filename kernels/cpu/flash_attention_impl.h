@@ -6,7 +6,7 @@
 // `#pragma GCC target("avx2,fma")`. The compiler vectorizes each copy for its
 // instruction set, and the copies coexist in one library because their
 // namespaces differ (no ODR clash, so no AVX2 code can leak into the baseline
-// path). The includer provides, before opening its namespace: <algorithm>,
+// path). The includer provides, before opening its namespace: <algorithm>, <atomic>,
 // <cmath>, <cstdint>, <cstdlib>, <cstring>, <limits>, <memory>,
 // <type_traits>, <vector>, philox.h, attention_mask.h, attention_params.h, thread_pool.h and
 // flash_attention_heuristics.h; and in its namespace:

@@ -77,6 +77,15 @@ DeviceParams device_params(const AttentionKernelParams& p) {
   d.sinks_batch = p.sinks_batch_stride;
   d.sinks_head = p.sinks_head_stride;
   d.dsinks = p.dsinks;
+  d.bias = static_cast<const float*>(p.bias);
+  d.bias_offsets = p.bias_offsets;
+  d.bias_row = p.bias_row_stride;
+  d.bias_col = p.bias_col_stride;
+  d.mask = p.mask;
+  d.mask_offsets = p.mask_offsets;
+  d.mask_row = p.mask_row_stride;
+  d.mask_col = p.mask_col_stride;
+  d.dbias = static_cast<float*>(p.dbias);
   return d;
 }
 

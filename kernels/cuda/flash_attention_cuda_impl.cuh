@@ -81,6 +81,15 @@ struct DeviceParams {
   const double* sinks;
   int64_t sinks_batch, sinks_head;
   double* dsinks;  // [batch, heads], zeroed before the backward kernels
+  // Bias (float32) and mask planes per (b, h) (attention_params.h); d(bias)
+  // laid out as the bias, zeroed by the caller, added to atomically.
+  const float* bias;
+  const int64_t* bias_offsets;
+  int64_t bias_row, bias_col;
+  const uint8_t* mask;
+  const int64_t* mask_offsets;
+  int64_t mask_row, mask_col;
+  float* dbias;
 };
 
 // 64-bit min without relying on which overloads CUDA's headers declare.
@@ -92,13 +101,15 @@ __device__ inline EntryMask entry_mask_of(const DeviceParams& p, int b) {
                     p.window_right);
 }
 
-// Soft-capping and ALiBi of (b, h) (common/attention_mask.h), in log2 units.
+// Soft-capping, bias, ALiBi and mask of (b, h) (common/attention_mask.h), in log2 units.
 __device__ inline ScoreMod<float> score_mod_of(const DeviceParams& p, const EntryMask& m, int b, int h) {
   constexpr float kLog2e = 1.4426950408889634f;
   ScoreMod<float> mod;
   mod.cap = p.cap_log2;
   mod.slope = p.alibi_slopes ? static_cast<float>(p.alibi_slopes[b * p.alibi_batch + h * p.alibi_head]) * kLog2e : 0.f;
   mod.offset = m.offset;
+  mod.set_planes(int64_t{b} * p.heads + h, p.bias, p.bias_offsets, p.bias_row, p.bias_col, p.mask, p.mask_offsets,
+                 p.mask_row, p.mask_col);
   return mod;
 }
 
@@ -312,8 +323,9 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
         for (int e = 0; e < 4; ++e) {
           const int64_t j = n0 + t * 8 + tig * 2 + (e & 1);
           float x = s[t][e] * p.scale_log2, th;
-          if (mod.on()) x = mod.apply(x, e < 2 ? i0 : i1, j, th);
-          x = (e < 2 ? row0 : row1).contains(j) ? x : -kInf;
+          const bool allowed = (e < 2 ? row0 : row1).contains(j);
+          if (mod.on() && allowed) x = mod.apply(x, e < 2 ? i0 : i1, j, th);  // reads bias and mask in range only
+          x = allowed ? x : -kInf;
           s[t][e] = x;
           mx[e >> 1] = fmaxf(mx[e >> 1], x);
         }
@@ -476,6 +488,8 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
       const int h = hk * p.group + gi;
       const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
       const ScoreMod<float> mod = score_mod_of(p, mask, b, h);
+      // d(bias) of this head's plane: dS itself (bias adds to the score).
+      float* const dbias = p.dbias ? p.dbias + p.bias_offsets[int64_t{b} * p.heads + h] : nullptr;
       const T* qh = static_cast<const T*>(p.q) + b * p.qs.batch + h * p.qs.head;
       const T* doh = static_cast<const T*>(p.dout) + b * p.dos.batch + h * p.dos.head;
       const float* lseh = p.lse + b * p.lse_batch + h * p.lse_head;
@@ -520,10 +534,10 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
         }
 
         // P = exp2(x - lse log2e) where allowed, else 0, with x the scaled,
-        // capped and ALiBi-shifted score; K = 1 where dropout keeps, else 0;
+        // capped, biased and ALiBi-shifted score (-inf where the mask forbids); K = 1 where dropout keeps, else 0;
         // Z = K / (1 - p). X = P K (the weights that made O, before the
         // rescale, which dV gets at the end), dP = dPd Z, dS = P (dP - D_i)
-        // times the cap's derivative 1 - tanh^2. st becomes X, dpt dS.
+        // (d(bias)) times the cap's derivative 1 - tanh^2. st becomes X, dpt dS.
 #pragma unroll
         for (int t = 0; t < BM / 8; ++t)
 #pragma unroll
@@ -532,15 +546,19 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
             const int64_t i = m0 + c, j = e < 2 ? j0 : j1;
             const bool allowed = mask.allowed(i, j);
             float x = st[t][e] * p.scale_log2, th = 0.f;
-            if (mod.on()) x = mod.apply(x, i, j, th);
-            const float w = allowed ? exp2f(x - ld_shared(sLse + c)) : 0.f;
+            if (mod.on() && allowed) x = mod.apply(x, i, j, th);
+            // lse = -inf: a row the mask (or a -inf bias) left no position has P = 0.
+            const float lse2 = ld_shared(sLse + c);
+            const float w = allowed && lse2 != -INFINITY ? exp2f(x - lse2) : 0.f;
             float k = 1.f, z = 1.f;
             if (p.dropout && allowed) {
               k = kept(p, dropout_bits(p, bh, static_cast<uint32_t>(i), static_cast<uint32_t>(j)));
               z = k * p.keep_scale;
             }
             st[t][e] = w * k;
-            dpt[t][e] = w * (dpt[t][e] * z - ld_shared(sDsum + c)) * (1.f - th * th);
+            const float ds = w * (dpt[t][e] * z - ld_shared(sDsum + c));
+            if (dbias && allowed) atomic_add(dbias + i * p.bias_row + j * p.bias_col, ds);
+            dpt[t][e] = ds * (1.f - th * th);
           }
 
         // dV += X^T dO and dK += dS^T Q (scaled at the end): A from the

@@ -66,6 +66,8 @@ std::string AttentionCase::describe() const {
   if (softcap) os << " softcap=" << *softcap;
   if (alibi) os << " alibi";
   if (sinks) os << " sinks";
+  if (!bias.empty()) os << " bias=" << bias;
+  if (!mask.empty()) os << " mask=" << mask;
   os << " seed=" << seed;
   return os.str();
 }
@@ -91,6 +93,14 @@ std::optional<std::string> invalid_reason(const AttentionCase& c) {
   if (c.causal && c.offsets.empty() && c.seq_q != c.seq_k)
     return "causal attention without offsets needs equal query and kv lengths";
   if (!(c.dropout >= 0 && c.dropout < 1)) return "dropout must be in [0, 1)";
+  for (const std::string* s : {&c.bias, &c.mask})
+    for (char x : *s) {
+      if (std::string("bhgtk").find(x) == std::string::npos)
+        return std::string("bias and mask dims are letters of bhgtk, got '") + x + "'";
+      if (x == 't' && c.kind != Kind::cross)
+        return "a bias or mask over the query's time dim needs a separate kv dim (kind cross)";
+      if (x == 'g' && c.groups == 1) return "a bias or mask over the group dim needs groups > 1";
+    }
   return std::nullopt;
 }
 
@@ -136,6 +146,16 @@ Operands make_operands(const AttentionCase& c, bool requires_grad) {
   };
   if (c.alibi) ops.opts.alibi_slopes = per_head([](int64_t h) { return std::exp2(-static_cast<double>(h + 1)); });
   if (c.sinks) ops.opts.sinks = per_head([](int64_t h) { return static_cast<double>(h % 3) - 1.0; });
+  // Bias and mask over the dims their letters name, in the order given.
+  auto score_dims = [&](const std::string& letters) {
+    Dims dims;
+    for (char x : letters) dims.push_back(x == 'b' ? batch : x == 'h' ? heads : x == 'g' ? group : x == 't' ? *time : kv);
+    return dims;
+  };
+  if (!c.bias.empty()) ops.opts.bias = operand(score_dims(c.bias), c.seed + 3);
+  if (!c.mask.empty())
+    ops.opts.mask = compare(random_uniform(score_dims(c.mask), c.seed + 4, {.device = c.device, .backend = c.backend}),
+                            Compare::ge, 0.25);
   if (c.offsets.size() == 1) ops.opts.causal_offset = scalar(static_cast<double>(c.offsets[0]), ints);
   if (c.offsets.size() > 1) ops.opts.causal_offset = from_host({batch}, as_doubles(c.offsets), ints);
   for (const Dim& d : qd)

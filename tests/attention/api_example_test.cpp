@@ -56,6 +56,26 @@ std::pair<Tensor, Tensor> variants_example() {
   return {local, out};
 }
 
+Tensor bias_example() {
+  Dim batch("batch", 2), heads("heads", 4), time("time", 9), feat("feat", 16), vfeat("vfeat", 16);
+  Tensor q = random_normal({batch, heads, time, feat}, 1);
+  Tensor k = random_normal({batch, heads, time, feat}, 2);
+  Tensor v = random_normal({batch, heads, time, vfeat}, 3);
+  // --- bias example begin ---
+  // T5 style: a learnable bias over {heads, query time, kv time}, and a bool
+  // document mask over {batch, query time, kv time}. Keys and values get their
+  // own kv dim, so that the bias can name both positions.
+  Dim kv("kv", 9);
+  Tensor keys = replace_dim(k, time, kv), values = replace_dim(v, time, kv);
+  Tensor rel_bias = random_normal({heads, time, kv}, 4);
+  Tensor same_doc = compare(random_uniform({batch, time, kv}, 5), Compare::ge, 0.2);
+  Tensor out = dot_attention(q, keys, values, {.key_dim = feat, .axis = kv,
+                                               .causal_query_spatial_dim = time,
+                                               .bias = rel_bias, .mask = same_doc});
+  // --- bias example end ---
+  return out;
+}
+
 TEST(ApiExample, RunsAndHasTheDocumentedDims) {
   Tensor out = attend_example();
   EXPECT_EQ(out.rank(), 4);
@@ -98,4 +118,12 @@ TEST(ApiExample, VariantsExampleRunsAndIsTheDocumented) {
   const std::string example = example_text("variants example", 2);
   EXPECT_NE(read_file(DIMATTN_SOURCE_DIR "/docs/api.md").find(example), std::string::npos)
       << "docs/api.md does not show the variants example of this file:\n" << example;
+}
+
+TEST(ApiExample, BiasExampleRunsAndIsTheDocumented) {
+  const Tensor out = bias_example();
+  EXPECT_EQ(out.rank(), 4);
+  const std::string example = example_text("bias example", 2);
+  EXPECT_NE(read_file(DIMATTN_SOURCE_DIR "/docs/api.md").find(example), std::string::npos)
+      << "docs/api.md does not show the bias example of this file:\n" << example;
 }

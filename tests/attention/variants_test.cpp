@@ -1,6 +1,7 @@
-// Attention variants (sliding windows, soft-capping, ALiBi, sinks): the
-// reference path against float64 loops, cpu_flash against the reference path
-// (outputs, and gradients of q, k, v and the sinks), the selection's reasons.
+// Attention variants (sliding windows, soft-capping, ALiBi, sinks, bias and
+// mask over named dims): the reference path against float64 loops, cpu_flash
+// against the reference path (outputs, and gradients of q, k, v, the sinks
+// and the bias), the selection's reasons.
 // Bad options are rows of docs/errors.md (tests/reliability/bad_input_test.cpp).
 #include <cmath>
 #include <limits>
@@ -25,7 +26,12 @@ struct Variant {
   std::vector<double> offsets;  // per batch entry (B = 2); empty = none
   std::vector<double> lengths;  // kv lengths per batch entry; empty = static
   double dropout = 0;
+  bool bias = false;  // over {heads, tq, tk}: bias_value
+  bool mask = false;  // over {batch, tq, tk}: mask_value (row 1 of entry 0 attends nothing)
 };
+
+double bias_value(int h, int i, int j) { return 0.3 * (h + 1) * std::sin(7.0 * i + 3.0 * j); }
+bool mask_value(int b, int i, int j) { return !(b == 0 && i == 1) && (3 * i + 5 * j + b) % 4 != 0; }
 
 std::vector<Variant> variants() {
   return {
@@ -36,8 +42,10 @@ std::vector<Variant> variants() {
       {.name = "alibi_causal_offsets", .causal = true, .alibi = true, .offsets = {2, 0}},
       {.name = "sinks_lengths_empty_entry", .sinks = true, .lengths = {7, 0}},
       {.name = "off_by_one_causal", .causal = true, .off_by_one = true, .offsets = {1, 2}},
+      {.name = "bias", .bias = true},
+      {.name = "mask_empty_row_lengths", .lengths = {7, 4}, .mask = true},
       {.name = "all_with_dropout", .causal = true, .left = 4, .softcap = 1.5, .alibi = true, .sinks = true,
-       .offsets = {2, 1}, .lengths = {7, 5}, .dropout = 0.3},
+       .offsets = {2, 1}, .lengths = {7, 5}, .dropout = 0.3, .bias = true, .mask = true},
   };
 }
 
@@ -58,12 +66,13 @@ std::vector<double> loop_attention(const Variant& v, const std::vector<double>& 
         for (int j = 0; j < Tk; ++j) {
           const double d = i + off - j;  // distance to the diagonal
           const bool ok = j < len && (!v.causal || d >= 0) && (!v.left || d <= static_cast<double>(*v.left)) &&
-                          (!v.right || d >= -static_cast<double>(*v.right));
+                          (!v.right || d >= -static_cast<double>(*v.right)) && (!v.mask || mask_value(b, i, j));
           if (!ok) continue;
           double s = 0;
           for (int c = 0; c < D; ++c) s += q[((b * H + h) * Tq + i) * D + c] * k[((b * H + h) * Tk + j) * D + c];
           s *= scale;
           if (v.softcap > 0) s = v.softcap * std::tanh(s / v.softcap);
+          if (v.bias) s += bias_value(h, i, j);
           if (v.alibi) s -= slopes[h] * std::abs(d);
           e[j] = s;
           mx = std::max(mx, s);
@@ -83,7 +92,7 @@ struct Call {
   Dim batch{"batch", B}, heads{"heads", H}, tq{"tq", Tq}, feat{"feat", D}, vfeat{"vfeat", Dv};
   Dim tk;
   Tensor q, k, v;
-  std::optional<Tensor> slopes, sinks;
+  std::optional<Tensor> slopes, sinks, bias;
   AttentionOptions opts;
 
   Call(const Variant& var, DType dtype, const std::string& backend)
@@ -107,6 +116,15 @@ struct Call {
     if (var.sinks) opts.sinks = sinks = from_host({heads}, {0.3, -1.0, 2.0}, o);
     opts.sink_off_by_one = var.off_by_one;
     opts.att_dropout = var.dropout;
+    std::vector<double> bv, mv;
+    for (int b = 0; b < B; ++b)
+      for (int i = 0; i < Tq; ++i)
+        for (int j = 0; j < Tk; ++j) mv.push_back(mask_value(b, i, j));
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < Tq; ++i)
+        for (int j = 0; j < Tk; ++j) bv.push_back(bias_value(h, i, j));
+    if (var.bias) opts.bias = bias = from_host({heads, tq, tk}, bv, o);
+    if (var.mask) opts.mask = from_host({batch, tq, tk}, mv, {.dtype = DType::boolean, .backend = backend});
   }
 };
 
@@ -131,7 +149,7 @@ TEST_P(AttentionVariants, ReferenceMatchesFloat64Loops) {
     EXPECT_LT(worst, 1e-12);
     ++ran;
   }
-  EXPECT_EQ(ran, 7);
+  EXPECT_EQ(ran, 9);
 }
 
 // cpu_flash computes every variant; with dropout too (the shared Philox mask).
@@ -152,10 +170,10 @@ TEST_P(AttentionVariants, CpuFlashMatchesTheReferencePath) {
       EXPECT_LT(max_abs_diff(fused, ref, ref.dims()), reference_tolerance(dtype));
       ++ran;
     }
-  EXPECT_EQ(ran, 16);
+  EXPECT_EQ(ran, 20);
 }
 
-// Gradients of q, k, v and the sinks: cpu_flash's backward (torch: its
+// Gradients of q, k, v, the sinks and the bias: cpu_flash's backward (torch: its
 // autograd function; Eigen: dot_attention_backward) against the reference
 // path's autograd on the torch backend.
 TEST_P(AttentionVariants, CpuFlashGradientsMatchTheReferencePath) {
@@ -173,6 +191,8 @@ TEST_P(AttentionVariants, CpuFlashGradientsMatchTheReferencePath) {
     auto leaf = [](const Tensor& x) { return to_backend(x, "torch").requires_grad(true); };
     r.q = leaf(c.q), r.k = leaf(c.k), r.v = leaf(c.v);
     if (c.sinks) r.opts.sinks = leaf(*c.sinks);
+    if (c.bias) r.opts.bias = leaf(*c.bias);
+    if (c.opts.mask) r.opts.mask = to_backend(*c.opts.mask, "torch");
     if (c.slopes) r.opts.alibi_slopes = to_backend(*c.slopes, "torch");
     if (c.opts.causal_offset) r.opts.causal_offset = to_backend(*c.opts.causal_offset, "torch");
     set_random_seed(5);
@@ -188,8 +208,10 @@ TEST_P(AttentionVariants, CpuFlashGradientsMatchTheReferencePath) {
       Call f = c;
       f.q = leaf(c.q), f.k = leaf(c.k), f.v = leaf(c.v);
       if (c.sinks) f.opts.sinks = leaf(*c.sinks);
+      if (c.bias) f.opts.bias = leaf(*c.bias);
       reduce_sum(mul(dot_attention(f.q, f.k, f.v, f.opts), dout), dout.dims()).backward();
-      return {*f.q.grad(), *f.k.grad(), *f.v.grad(), c.sinks ? f.opts.sinks->grad() : std::nullopt};
+      return {*f.q.grad(), *f.k.grad(), *f.v.grad(), c.sinks ? f.opts.sinks->grad() : std::nullopt,
+              c.bias ? f.opts.bias->grad() : std::nullopt};
     };
     const AttentionGrads g = fused_grads();
     EXPECT_LT(max_abs_diff(g.query, *r.q.grad(), c.q.dims()), tol) << "dq";
@@ -199,9 +221,13 @@ TEST_P(AttentionVariants, CpuFlashGradientsMatchTheReferencePath) {
       ASSERT_TRUE(g.sinks.has_value()) << "no sinks gradient";
       EXPECT_LT(max_abs_diff(*g.sinks, *r.opts.sinks->grad(), c.sinks->dims()), tol) << "dsinks";
     }
+    if (c.bias) {
+      ASSERT_TRUE(g.bias.has_value()) << "no bias gradient";
+      EXPECT_LT(max_abs_diff(*g.bias, *r.opts.bias->grad(), c.bias->dims()), tol) << "dbias";
+    }
     ++ran;
   }
-  EXPECT_EQ(ran, 8);
+  EXPECT_EQ(ran, 10);
 }
 
 TEST_P(AttentionVariants, FusedKernelsOfAtenNameTheVariantTheyLack) {
@@ -213,6 +239,29 @@ TEST_P(AttentionVariants, FusedKernelsOfAtenNameTheVariantTheyLack) {
   ForceKernels force("aten_flash_cpu");
   EXPECT_NE(error_of([&] { dot_attention(c.q, c.k, c.v, c.opts); }).find("takes no a sliding window"),
             std::string::npos);
+}
+
+// A mask that leaves a row nothing gives 0 there on every path, never NaN;
+// the same mask as a -inf bias gives the same result.
+TEST_P(AttentionVariants, MaskedRowIsZeroAndBiasOfMinusInfinityMasksAlike) {
+  const Variant var{.name = "mask", .mask = true};
+  Call c(var, DType::float32, GetParam());
+  AttentionOptions as_bias = c.opts;
+  as_bias.mask.reset();
+  const Tensor zeros = mul(cast(*c.opts.mask, DType::float32), 0.0);
+  as_bias.bias = where(*c.opts.mask, zeros, -std::numeric_limits<double>::infinity());
+  int ran = 0;
+  for (const char* kernel : {"reference", "cpu_flash"}) {
+    ForceKernels force(kernel);
+    const Tensor out = dot_attention(c.q, c.k, c.v, c.opts);
+    const std::vector<double> x = to_host(out, Dims{c.batch, c.heads, c.tq, c.vfeat});
+    for (int h = 0; h < H; ++h)
+      for (int e = 0; e < Dv; ++e) EXPECT_EQ(x[((0 * H + h) * Tq + 1) * Dv + e], 0.0) << kernel;
+    for (double y : x) EXPECT_TRUE(std::isfinite(y)) << kernel;
+    EXPECT_LT(max_abs_diff(dot_attention(c.q, c.k, c.v, as_bias), out, out.dims()), 1e-6) << kernel;
+    ++ran;
+  }
+  EXPECT_EQ(ran, 2);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, AttentionVariants, ::testing::ValuesIn(backend_names()),

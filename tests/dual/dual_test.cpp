@@ -61,7 +61,8 @@ std::set<std::string> expected_kernels(const AttentionCase& c, const std::string
   }
   k.insert("cpu_flash");
   // ATen's kernels take no variant (docs/selection.md).
-  const bool variant = c.window_left || c.window_right || c.softcap || c.alibi || c.sinks;
+  const bool variant =
+      c.window_left || c.window_right || c.softcap || c.alibi || c.sinks || !c.bias.empty() || !c.mask.empty();
   if (backend == "torch" && c.dropout == 0 && !variant) {
     k.insert("aten_math");
     if (!(c.causal && c.groups > 1) && c.head_dim == c.head_dim_v) k.insert("aten_flash_cpu");
@@ -172,6 +173,24 @@ void add_cpu_cases(std::vector<AttentionCase>& out) {
     out.push_back({.name = "variants_gqa_dropout" + s, .dtype = dt, .groups = 2, .seq_q = 4, .seq_k = 9,
                    .causal = true, .lengths = {9, 6}, .offsets = {5, 2}, .dropout = 0.25, .window_left = 4,
                    .softcap = 2.0, .alibi = true, .sinks = true});
+    // Bias and masks over named dims: T5-style {heads, Tq, Tk}; one {Tq, Tk}
+    // plane shared by every head and query group (d(bias) summed over them);
+    // per-kv-position bias and mask (key padding) in causal self-attention;
+    // a mask over every dim that leaves some rows without a position; beam
+    // queries with their own mask; one decoding step; and all variants at once.
+    out.push_back({.name = "bias_heads_tq_tk" + s, .dtype = dt, .lengths = {7, 4}, .bias = "htk"});
+    out.push_back({.name = "bias_shared_plane_gqa" + s, .dtype = dt, .groups = 2, .seq_q = 4, .seq_k = 9,
+                   .causal = true, .offsets = {5, 2}, .bias = "tk"});
+    out.push_back({.name = "bias_mask_kv_causal_self" + s, .dtype = dt, .kind = Kind::self, .seq_q = 9, .seq_k = 9,
+                   .causal = true, .lengths = {9, 5}, .bias = "bk", .mask = "k"});
+    out.push_back({.name = "mask_every_dim" + s, .dtype = dt, .seq_q = 6, .seq_k = 3, .mask = "bhtk"});
+    out.push_back({.name = "mask_beam" + s, .dtype = dt, .groups = 3, .group_name = "beam", .seq_q = 4,
+                   .lengths = {7, 5}, .bias = "gk", .mask = "gtk"});
+    out.push_back({.name = "bias_mask_step" + s, .dtype = dt, .kind = Kind::step, .lengths = {7, 2}, .bias = "bhk",
+                   .mask = "hk"});
+    out.push_back({.name = "all_variants" + s, .dtype = dt, .groups = 2, .seq_q = 4, .seq_k = 9, .causal = true,
+                   .lengths = {9, 6}, .offsets = {5, 2}, .dropout = 0.25, .window_left = 4, .softcap = 2.0,
+                   .alibi = true, .sinks = true, .bias = "htk", .mask = "tk"});
   }
   out.push_back({.name = "t1", .seq_q = 1, .seq_k = 1});
   out.push_back({.name = "odd_head_dims", .head_dim = 5, .head_dim_v = 3});
@@ -218,6 +237,9 @@ void add_cuda_cases(std::vector<AttentionCase>& out) {
       c = base, c.kind = Kind::self, c.groups = 2, c.seq_q = 130, c.causal = true, c.lengths = {130, 97},
       c.dropout = 0.2, c.window_left = 50, c.softcap = 3.0, c.alibi = true, c.sinks = true;
       out.push_back(with(c, "variants_gqa_dropout"));
+      c = base, c.groups = 2, c.causal = true, c.offsets = {30, 5}, c.lengths = {130, 70}, c.dropout = 0.1,
+      c.bias = "htk", c.mask = "btk";
+      out.push_back(with(c, "bias_mask_gqa_dropout"));
     }
 }
 
@@ -252,15 +274,25 @@ Operands make_operands(AttentionCase c, const std::string& backend, Device devic
 
 Operands on_backend(Operands ops, const std::string& backend) {
   for (Tensor* t : {&ops.q, &ops.k, &ops.v, &ops.w}) *t = to_backend(*t, backend);
-  for (std::optional<Tensor>* t : {&ops.opts.causal_offset, &ops.opts.alibi_slopes, &ops.opts.sinks})
+  for (std::optional<Tensor>* t :
+       {&ops.opts.causal_offset, &ops.opts.alibi_slopes, &ops.opts.sinks, &ops.opts.bias, &ops.opts.mask})
     if (*t) **t = to_backend(**t, backend);
   return ops;
+}
+
+// The inputs gradients are checked for: q, k, v, then the learnable variant
+// tensors the case has (sinks, bias).
+std::vector<std::string> grad_names(const Operands& ops) {
+  std::vector<std::string> n = {"q", "k", "v"};
+  if (ops.opts.sinks) n.push_back("sinks");
+  if (ops.opts.bias) n.push_back("bias");
+  return n;
 }
 
 struct RunResult {
   std::string kernel;
   Tensor out;
-  std::vector<Tensor> grads;  // q, k, v; empty without autograd
+  std::vector<Tensor> grads;  // in grad_names' order; empty without autograd
 };
 
 // A new leaf with x's dims and values, so that gradients never accumulate across runs.
@@ -271,8 +303,11 @@ Tensor fresh_leaf(const Tensor& x) {
 RunResult run(Operands ops, const std::string& force) {
   ForceKernels guard(force);
   const bool grad = ops.q.backend().has_autograd();
+  std::vector<Tensor*> leaves = {&ops.q, &ops.k, &ops.v};
+  if (ops.opts.sinks) leaves.push_back(&*ops.opts.sinks);
+  if (ops.opts.bias) leaves.push_back(&*ops.opts.bias);
   if (grad)
-    for (Tensor* t : {&ops.q, &ops.k, &ops.v}) *t = fresh_leaf(*t).requires_grad(true);
+    for (Tensor* t : leaves) *t = fresh_leaf(*t).requires_grad(true);
   // Every run draws the same dropout seed, so kernels and the reference must
   // apply the identical mask (the shared Philox stream).
   TrainFlagScope train(ops.opts.att_dropout > 0);
@@ -281,7 +316,7 @@ RunResult run(Operands ops, const std::string& force) {
   RunResult r{force, out, {}};
   if (grad) {
     reduce_sum(mul(out, ops.w), ops.out_order).backward();
-    for (Tensor* t : {&ops.q, &ops.k, &ops.v}) r.grads.push_back(*t->grad());
+    for (Tensor* t : leaves) r.grads.push_back(*t->grad());
   }
   return r;
 }
@@ -292,7 +327,10 @@ std::vector<Tensor> backward_grads(const Operands& ops) {
   TrainFlagScope train(ops.opts.att_dropout > 0);
   set_random_seed(1234);
   const AttentionGrads g = dot_attention_backward(ops.q, ops.k, ops.v, ops.opts, ops.w);
-  return {g.query, g.keys, g.values};
+  std::vector<Tensor> out = {g.query, g.keys, g.values};
+  for (const std::optional<Tensor>& t : {g.sinks, g.bias})
+    if (t) out.push_back(*t);
+  return out;
 }
 
 // Central differences of sum(out · w) through the reference path at a few
@@ -389,11 +427,14 @@ TEST_P(Dual, EveryKernelAgreesWithTheReference) {
         std::cout << "[ dual ] " << where << ": max abs err " << e;
         EXPECT_LE(e, testing::tolerance_at_scale(tol, ref.out)) << where;
         auto expect_grads_close = [&](const std::vector<Tensor>& grads, const std::vector<Tensor>& want) {
+          const std::vector<std::string> names = grad_names(ops);
+          ASSERT_EQ(grads.size(), names.size()) << where << ": a gradient is missing";
+          ASSERT_EQ(want.size(), names.size()) << where << ": a reference gradient is missing";
           for (size_t i = 0; i < grads.size(); ++i) {
             const double ge = testing::max_abs_diff(grads[i], want[i], grads[i].dims());
-            std::cout << ", d" << "qkv"[i] << " " << ge;
+            std::cout << ", d" << names[i] << " " << ge;
             EXPECT_LE(ge, testing::tolerance_at_scale(gradient_tolerance(c, i), want[i]))
-                << where << " grad of " << "qkv"[i];
+                << where << " grad of " << names[i];
           }
           if (accepts.count(kernel)) runs.insert(run_name + "/grads");
         };

@@ -216,17 +216,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const bool low_limit = in.ConsumeIntegralInRange<int>(0, 15) == 15;
     // Variants (docs/api.md), from the input's last bytes (zeros: none):
     // a positional dim, a window, soft-capping, ALiBi slopes and sinks over
-    // any dims of the pool (valid ones mostly over the query's).
-    const int variants = in.ConsumeIntegralInRange<int>(0, 31);
+    // any dims of the pool (valid ones mostly over the query's), a bias and a
+    // bool mask over any dims.
+    const int variants = in.ConsumeIntegralInRange<int>(0, 127);
     auto maybe_bound = [&]() -> std::optional<int64_t> {
       const int b = in.ConsumeIntegralInRange<int>(0, 6);
       return b == 6 ? std::nullopt : std::optional<int64_t>(b - 1);  // -1 (bad) .. 4, or unbounded
     };
-    auto per_head = [&]() {
+    auto some_dims = [&](int one_in) {
       const Dims& from = in.ConsumeBool() ? qd : pool;
       Dims dims;
       for (const Dim& d : from)
-        if (in.ConsumeIntegralInRange<int>(0, 3) == 3) dims.push_back(d);
+        if (in.ConsumeIntegralInRange<int>(0, one_in - 1) == 0) dims.push_back(d);
+      return dims;
+    };
+    auto per_head = [&]() {
+      const Dims dims = some_dims(4);
       const int kind = in.ConsumeIntegralInRange<int>(0, 7);
       return testing::random_operand(dims, 5 + kind, kind == 7 ? DType::int64 : dt, be);
     };
@@ -244,6 +249,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       else
         o.sinks = per_head();
     }
+    if (variants & 32) {  // mostly float32 or the call's dtype; sometimes bool (bad)
+      const Dims dims = some_dims(2);
+      const int kind = in.ConsumeIntegralInRange<int>(0, 7);
+      o.bias = kind == 7 ? compare(testing::random_operand(dims, 13, DType::float32, be), Compare::gt, 0.0)
+                         : testing::random_operand(dims, 13, kind < 4 ? dt : DType::float32, be);
+    }
+    if (variants & 64) {  // true with probability 3/4; sometimes float (bad)
+      const Dims dims = some_dims(2);
+      const Tensor u = testing::random_operand(dims, 14, DType::float32, be);
+      o.mask = in.ConsumeIntegralInRange<int>(0, 7) == 7 ? u : compare(u, Compare::gt, -0.67);
+    }
 
     describe_call = [=] {
       return "backend " + be + " q" + repr(qd) + " k" + repr(kd) + " v" + repr(vd) + " dtype " + dtype_name(dt) + "/" +
@@ -260,7 +276,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                : "-") +
                      " softcap " + (o.softcap ? std::to_string(*o.softcap) : "-") + " alibi " +
                      (o.alibi_slopes ? o.alibi_slopes->repr() : "-") + " sinks " +
-                     (o.sinks ? o.sinks->repr() : o.sink_off_by_one ? "off-by-one" : "-");
+                     (o.sinks ? o.sinks->repr() : o.sink_off_by_one ? "off-by-one" : "-") + " bias " +
+                     (o.bias ? o.bias->repr() : "-") + " mask " + (o.mask ? o.mask->repr() : "-");
     };
 
     // Any dims, any dtype (integer operands drawn as floats and cast): the
@@ -340,6 +357,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::optional<Host> hslopes, hsinks;
     if (o.alibi_slopes) hslopes.emplace(*o.alibi_slopes);
     if (o.sinks) hsinks.emplace(*o.sinks);
+    std::optional<Host> hbias, hmask;  // over the kv position as `axis`
+    if (o.bias) hbias.emplace(*o.bias);
+    if (o.mask) hmask.emplace(cast(*o.mask, DType::float32));
     const std::optional<Dim> position = o.causal_query_spatial_dim ? o.causal_query_spatial_dim : o.query_position_dim;
     const int64_t nk = o.axis.extent(), nd = o.key_dim.extent();
     const double tol = dt == DType::float64 ? 1e-9 : dt == DType::float32 ? 2e-4 : 5e-2;
@@ -365,6 +385,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         if (o.window && o.window->right && j > diag + *o.window->right) continue;
         std::map<Dim, int64_t> qi = idx, ki = idx;
         ki[o.axis] = j;
+        if (hmask && hmask->at(ki) == 0) continue;
         double s = 0;
         for (int64_t c = 0; c < nd; ++c) {
           qi[o.key_dim] = ki[o.key_dim] = c;
@@ -372,6 +393,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         }
         s *= scale;
         if (o.softcap) s = *o.softcap * std::tanh(s / *o.softcap);
+        if (hbias) s += hbias->at(ki);
         if (hslopes) s -= hslopes->at(idx) * static_cast<double>(std::abs(diag - j));
         e.push_back(s);
         js.push_back(j);

@@ -45,7 +45,10 @@ std::vector<CudaKernelCase> cuda_kernel_cases() {
       if (D == 64) add({.name = "no_query_rows", .Tq = 0});
       // Variants.
       add({.name = "all_variants_gqa_dropout", .H = 8, .Hkv = 2, .Tq = 130, .causal = true, .kv_lens = {130, 97},
-           .offsets = {0, -9}, .p = 0.2, .window_left = 50, .softcap = 3.0, .alibi = true, .sinks = true});
+           .offsets = {0, -9}, .p = 0.2, .window_left = 50, .softcap = 3.0, .alibi = true, .sinks = true,
+           .bias = true, .mask = true});
+      add({.name = "bias_mask_gqa", .H = 8, .Hkv = 2, .causal = true, .kv_lens = {130, 61}, .offsets = {30, 2},
+           .bias = true, .mask = true});
       if (D == 64) {
         add({.name = "window_causal", .Tq = 130, .causal = true, .window_left = 40});
         add({.name = "window_two_sided", .kv_lens = {130, 57}, .offsets = {30, -5}, .window_left = 20,
@@ -53,6 +56,8 @@ std::vector<CudaKernelCase> cuda_kernel_cases() {
         add({.name = "softcap", .scale = 0.5, .softcap = 2.0});
         add({.name = "alibi_causal", .Tq = 130, .causal = true, .alibi = true});
         add({.name = "sinks_empty_entry", .kv_lens = {130, 0}, .sinks = true});
+        add({.name = "bias_softcap_dropout", .p = 0.25, .softcap = 2.0, .bias = true});
+        add({.name = "mask", .kv_lens = {130, 90}, .mask = true});
       }
     }
   // float16 with p near 1: 1 / (1 - p) = 1e5 times a weight near 1 overflows
@@ -104,13 +109,14 @@ struct Oracle {
   std::vector<double> m_out, m_dq, m_dk, m_dv;  // magnitudes of the rounded terms
   std::vector<double> a_out, a_dq, a_dk, a_dv;  // sums of the terms' other factors (float16 subnormals)
   std::vector<double> dsinks, m_dsinks;         // [B, H]
+  std::vector<double> dbias, m_dbias;           // [H, Tq, Tk]
   int64_t kept_overflowing = 0;                 // kept exp(s - max) * 1/(1-p) above float16's max
 };
 
 Oracle oracle(const CudaKernelCase& c, const std::vector<double>& qkv, const std::vector<double>& kbuf,
               const std::vector<double>& vbuf, const View& qv, const View& kv, const View& vv,
               const std::vector<double>& dout, double scale, const std::vector<double>& slopes,
-              const std::vector<double>& sinks) {
+              const std::vector<double>& sinks, const std::vector<float>& bias, const std::vector<uint8_t>& mask) {
   const int64_t B = c.B, H = c.H, G = c.H / c.Hkv, Tq = c.Tq, Tk = c.Tk, D = c.D;
   Oracle o;
   o.out.assign(B * H * Tq * D, 0);
@@ -121,13 +127,16 @@ Oracle oracle(const CudaKernelCase& c, const std::vector<double>& qkv, const std
   o.m_dk = o.dv = o.m_dv = o.a_dk = o.a_dv = o.dk;
   o.dsinks.assign(B * H, 0);
   o.m_dsinks = o.dsinks;
+  o.dbias.assign(c.bias ? H * Tq * Tk : 0, 0);
+  o.m_dbias = o.dbias;
   const DropoutRule rule = dropout_rule(c.p);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = c.q_lens.empty() ? Tq : c.q_lens[b], kv_len = c.kv_lens.empty() ? Tk : c.kv_lens[b];
     const int64_t off = c.offsets.empty() ? 0 : c.offsets[b];
     auto allowed = [&](int64_t i, int64_t j) {
       return i < q_len && j < kv_len && (!c.causal || j <= i + off) &&
-             (c.window_left < 0 || j >= i + off - c.window_left) && (c.window_right < 0 || j <= i + off + c.window_right);
+             (c.window_left < 0 || j >= i + off - c.window_left) && (c.window_right < 0 || j <= i + off + c.window_right) &&
+             (!c.mask || mask[(b * Tq + i) * Tk + j] != 0);
     };
     for (int64_t h = 0; h < H; ++h) {
       const int64_t hk = h / G, bh = b * H + h;
@@ -152,6 +161,7 @@ Oracle oracle(const CudaKernelCase& c, const std::vector<double>& qkv, const std
               s[j] = c.softcap * t;
               cap[j] = 1 - t * t;
             }
+            if (c.bias) s[j] += bias[(h * Tq + i) * Tk + j];
             if (c.alibi) s[j] -= slopes[h] * std::abs(static_cast<double>(i + off - j));
             mx = std::max(mx, s[j]);
             any = true;
@@ -193,6 +203,10 @@ Oracle oracle(const CudaKernelCase& c, const std::vector<double>& qkv, const std
           double dx = 0;
           for (int64_t d = 0; d < D; ++d) dx += dout[row(i) + d] * v(j, d);
           const double dS = P[j] * (dx * Z[j] - Di) * cap[j], mS = (std::abs(dS) + P[j] * Ei) * cap[j];
+          if (c.bias) {  // d(bias) = dS before the cap's derivative, summed over the batch
+            o.dbias[(h * Tq + i) * Tk + j] += P[j] * (dx * Z[j] - Di);
+            o.m_dbias[(h * Tq + i) * Tk + j] += std::abs(P[j] * (dx * Z[j] - Di)) + P[j] * Ei;
+          }
           for (int64_t d = 0; d < D; ++d) {
             o.dv[kvrow(j) + d] += P[j] * Z[j] * dout[row(i) + d];
             o.m_dv[kvrow(j) + d] += std::abs(P[j] * Z[j] * dout[row(i) + d]);
@@ -290,7 +304,17 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
     slopes[h] = std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(H));
     sinks[h] = normal(rng);
   }
-  const Oracle o = oracle(c, qf, kvals, vvals, qv, kv, vv, df, scale, slopes, sinks);
+  // Bias [H, Tq, Tk] and mask [B, Tq, Tk], and each (b, h) plane's offset.
+  std::vector<float> bias(c.bias ? H * Tq * Tk : 0);
+  for (float& x : bias) x = normal(rng);
+  std::vector<uint8_t> mask(c.mask ? B * Tq * Tk : 0);
+  std::uniform_real_distribution<double> uniform;
+  for (uint8_t& x : mask) x = uniform(rng) >= 0.25;
+  for (int64_t i = 3; i < (c.mask ? Tq : 0); i += 7)  // rows the mask leaves no position (batch entry 0)
+    std::fill(mask.begin() + i * Tk, mask.begin() + (i + 1) * Tk, uint8_t{0});
+  std::vector<int64_t> bias_offsets(B * H), mask_offsets(B * H);
+  for (int64_t x = 0; x < B * H; ++x) bias_offsets[x] = (x % H) * Tq * Tk, mask_offsets[x] = (x / H) * Tq * Tk;
+  const Oracle o = oracle(c, qf, kvals, vvals, qv, kv, vv, df, scale, slopes, sinks, bias, mask);
   if (c.zero_queries) {
     EXPECT_GT(o.kept_overflowing, 0) << "the case keeps no weight that 1/(1-p) pushes past float16's range";
   }
@@ -319,6 +343,9 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   p.window_left = c.window_left;
   p.window_right = c.window_right;
   p.softcap = c.softcap;
+  p.bias_row_stride = p.mask_row_stride = Tk;
+  p.bias_col_stride = p.mask_col_stride = 1;
+  p.dbias_shared = B > 1;
 
   // cpu_flash on the same bits.
   AttentionKernelParams cp = p;
@@ -336,6 +363,9 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   std::vector<double> cpu_dsinks(B * H, NAN);
   if (c.alibi) cp.alibi_slopes = slopes.data(), cp.alibi_head_stride = 1;
   if (c.sinks) cp.sinks = sinks.data(), cp.sinks_head_stride = 1, cp.dsinks = cpu_dsinks.data();
+  std::vector<float> cpu_dbias(bias.size(), 0.f);
+  if (c.bias) cp.bias = bias.data(), cp.bias_offsets = bias_offsets.data(), cp.dbias = cpu_dbias.data();
+  if (c.mask) cp.mask = mask.data(), cp.mask_offsets = mask_offsets.data();
   ThreadPool pool(2);
   flash_attention_forward_cpu(cp, pool.as_parallel_for());
   flash_attention_backward_cpu(cp, pool.as_parallel_for());
@@ -346,7 +376,9 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
       dout(runner, nq * 2), out(runner, nq * 2), lse(runner, rows * 4), dq(runner, nq * 2), dk(runner, nkv * 2),
       dv(runner, nkv * 2), q_lens(runner, 8 * c.q_lens.size()), kv_lens(runner, 8 * c.kv_lens.size()),
       offsets(runner, 8 * c.offsets.size()), slopes_d(runner, c.alibi ? 8 * H : 0),
-      sinks_d(runner, c.sinks ? 8 * H : 0), dsinks_d(runner, c.sinks ? 8 * B * H : 0);
+      sinks_d(runner, c.sinks ? 8 * H : 0), dsinks_d(runner, c.sinks ? 8 * B * H : 0),
+      bias_d(runner, 4 * bias.size()), dbias_d(runner, 4 * bias.size()), mask_d(runner, mask.size()),
+      bias_offsets_d(runner, c.bias ? 8 * B * H : 0), mask_offsets_d(runner, c.mask ? 8 * B * H : 0);
   auto put = [&](const Buf& dst, const void* src) {
     if (dst.bytes > 0) runner.upload(dst.p, src, dst.bytes);
   };
@@ -362,6 +394,20 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   if (c.alibi) p.alibi_slopes = static_cast<const double*>(slopes_d.p), p.alibi_head_stride = 1;
   if (c.sinks) p.sinks = static_cast<const double*>(sinks_d.p), p.sinks_head_stride = 1;
   p.dsinks = static_cast<double*>(dsinks_d.p);
+  put(bias_d, bias.data());
+  const std::vector<float> zeros(bias.size(), 0.f);
+  put(dbias_d, zeros.data());  // the kernel adds to it
+  put(mask_d, mask.data());
+  put(bias_offsets_d, bias_offsets.data());
+  put(mask_offsets_d, mask_offsets.data());
+  if (c.bias) {
+    p.bias = bias_d.p, p.dbias = dbias_d.p;
+    p.bias_offsets = static_cast<const int64_t*>(bias_offsets_d.p);
+  }
+  if (c.mask) {
+    p.mask = static_cast<const uint8_t*>(mask_d.p);
+    p.mask_offsets = static_cast<const int64_t*>(mask_offsets_d.p);
+  }
   auto* base = static_cast<uint16_t*>(q.p);
   p.q = base ? base + qv.offset : nullptr;
   p.k = c.packed_qkv ? (base ? base + kv.offset : nullptr) : k.p;
@@ -387,6 +433,8 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   get(g_lse.data(), lse);
   std::vector<double> g_dsinks(B * H);
   get(g_dsinks.data(), dsinks_d);
+  std::vector<float> g_dbias(bias.size());
+  get(g_dbias.data(), dbias_d);
 
   compare(c, "out", o.out, o.m_out, o.a_out, g_out, cpu_out);
   compare(c, "dq", o.dq, o.m_dq, o.a_dq, g_dq, cpu_dq);
@@ -399,6 +447,19 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
       EXPECT_NEAR(g_dsinks[x], o.dsinks[x], tol) << c.name << " dsinks[" << x << "], cuda_flash";
       EXPECT_NEAR(cpu_dsinks[x], o.dsinks[x], tol) << c.name << " dsinks[" << x << "], cpu_flash";
     }
+  }
+  if (c.bias) {
+    const double u = is_half(c.dtype) ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+    double worst_cuda = 0, worst_cpu = 0;
+    for (size_t x = 0; x < o.dbias.size(); ++x) {
+      const double tol = 2 * u * (std::abs(o.dbias[x]) + o.m_dbias[x]) + 1e-6;
+      worst_cuda = std::max(worst_cuda, std::abs(g_dbias[x] - o.dbias[x]) / tol);
+      worst_cpu = std::max(worst_cpu, std::abs(cpu_dbias[x] - o.dbias[x]) / tol);
+    }
+    std::cout << "[ cuda_flash ] " << c.name << " dbias: error / tolerance " << worst_cuda << " (cpu_flash "
+              << worst_cpu << ")\n";
+    EXPECT_LE(worst_cuda, 1.0) << c.name << " dbias: cuda_flash vs the float64 oracle";
+    EXPECT_LE(worst_cpu, 1.0) << c.name << " dbias: cpu_flash vs the float64 oracle";
   }
   int64_t lse_bad = 0;
   for (int64_t r = 0; r < rows; ++r) {

@@ -37,6 +37,11 @@ struct CudaKernelCase {
   int64_t window_left = -1, window_right = -1;
   double softcap = 0;
   bool alibi = false, sinks = false;
+  // A float32 bias over [heads, Tq, Tk] shared by the batch (offset stride 0:
+  // d(bias) sums over it) and a mask over [batch, Tq, Tk] shared by the heads
+  // (true with probability 3/4; every 7th row of entry 0 all false), read
+  // through per-(b, h) plane offsets.
+  bool bias = false, mask = false;
 };
 
 // GoogleTest prints a case by its name.
@@ -46,7 +51,7 @@ inline void PrintTo(const CudaKernelCase& c, std::ostream* os) { *os << c.name; 
 // self-attention, kv lengths, causal offsets, GQA, MQA, dropout, broadcast
 // dropout, packed qkv views), the edge cases (zero-length entries, query
 // lengths, negative offsets, dropout near 1 in float16) and the variants
-// (windows, soft-capping, ALiBi, sinks, and all of them with dropout), each
+// (windows, soft-capping, ALiBi, sinks, bias, mask, and all of them with dropout), each
 // for bfloat16 and float16, head dims 64 and 128.
 std::vector<CudaKernelCase> cuda_kernel_cases();
 

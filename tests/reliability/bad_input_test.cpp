@@ -279,6 +279,36 @@ const std::map<std::string, ErrorCase>& error_cases() {
           o.sink_off_by_one = true;
           dot_attention(e.q, e.k, e.v, o);
         }}},
+      {"bias_foreign_dim",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.bias = from_host({e.batch, Dim("other", 3)}, {0, 0, 0, 0, 0, 0}, e.f32);
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"bias_over_feature",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.bias = from_host({e.feat}, {0, 0, 0, 0}, e.f32);
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"bias_not_float",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.bias = from_host({e.batch}, {0, 0}, e.i64);
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"mask_not_bool",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.mask = from_host({e.enc}, {1, 1, 1, 0, 0}, e.f32);
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"mask_foreign_dim",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.mask = compare(from_host({Dim("other", 2)}, {1, 0}, e.f32), Compare::gt, 0.5);
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
       {"causal_offset_not_integer",
        {[](const Ex& e) {
           dot_attention(e.q, e.k, e.v,

@@ -49,6 +49,9 @@ struct AttentionParams {
   bool alibi = false;
   bool sinks = false;
   bool sinks_grad = false;   // the sinks tensor requires grad (autograd backends)
+  bool bias = false;         // an additive bias tensor
+  bool bias_grad = false;    // the bias requires grad (autograd backends)
+  bool mask = false;         // a boolean mask tensor
   LayoutClass layout = LayoutClass::separate;
   bool requires_grad = false;
   bool deterministic = false;  // deterministic_algorithms() (forcing.h)

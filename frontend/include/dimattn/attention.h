@@ -21,9 +21,9 @@
 // - A dynamic `axis` masks padding; a query row without any valid kv position
 //   gives output 0 and weights 0, never NaN.
 // - Dropout acts only while the train flag is on (run_context.h).
-// - Variants (sliding window, soft-capping, ALiBi, sinks) follow a fixed order
-//   (docs/numerics.md): scale -> softcap -> + ALiBi -> masks (padding, causal,
-//   window) -> softmax with sinks -> dropout -> . values.
+// - Variants (sliding window, soft-capping, ALiBi, sinks, bias, mask) follow a
+//   fixed order (docs/numerics.md): scale -> softcap -> + bias + ALiBi -> masks
+//   (padding, causal, window, mask) -> softmax with sinks -> dropout -> . values.
 #include <optional>
 
 #include "dimattn/dim.h"
@@ -74,6 +74,18 @@ struct AttentionOptions {
   std::optional<Tensor> sinks;
   // The fixed "off-by-one" sink: logit 0 in every row's denominator.
   bool sink_off_by_one = false;
+  // An additive float bias on the energies (after soft-capping, with ALiBi),
+  // over any of the call's dims except features: batch dims, the query's own
+  // dims (its positional dim, heads of GQA, beam), keys-only dims and `axis`
+  // (the kv position). Broadcast by name over the dims it lacks, never
+  // expanded by the fused kernels; gradients flow to it (T5's relative
+  // position bias, document masks as -inf). In self-attention (`axis` in the
+  // query) `axis` here is the kv position: for a bias that also varies with
+  // the query position, give keys and values their own kv dim.
+  std::optional<Tensor> bias;
+  // A bool mask over dims as for `bias`: true = may attend. Combined with
+  // every other mask; a row left without any position gives 0.
+  std::optional<Tensor> mask;
 };
 
 Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& opts);
@@ -87,6 +99,7 @@ Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& valu
 struct AttentionGrads {
   Tensor query, keys, values;  // dims as the inputs
   std::optional<Tensor> sinks;  // with opts.sinks: over its dims
+  std::optional<Tensor> bias;   // with opts.bias: over its dims
 };
 AttentionGrads dot_attention_backward(const Tensor& query, const Tensor& keys, const Tensor& values,
                                       const AttentionOptions& opts, const Tensor& grad_output);

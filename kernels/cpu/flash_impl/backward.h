@@ -102,6 +102,8 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
     const int64_t h = hk * G + g;
     const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
     const ScoreMod<A> mod = score_mod_of<A>(p, mask, b, h);
+    // d(bias) of this head's plane: dS itself (bias adds to the score).
+    A* const dbias = p.dbias ? static_cast<A*>(p.dbias) + p.bias_offsets[b * p.heads + h] : nullptr;
     A* dq = share ? share + g * Tq * dp : w.dq;  // indexed by absolute row
     if (share) fill(share + g * Tq * dp, Tq * dp, A(0));
 
@@ -179,7 +181,7 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
               fill(srow, np, A(0));
               continue;
             }
-            if (mod.on()) {  // the forward's scores: scaled, capped, ALiBi
+            if (mod.on()) {  // the forward's scores: scaled, capped, bias, ALiBi, mask
               A* th = p.has_softcap() ? w.th + r * ldk : nullptr;
               A t;
               for (int64_t c = lr; c < nv; ++c) {
@@ -222,6 +224,16 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
             const V dvec = Simd<A>::splat(di[r]);
             for (int64_t c = 0; c < npr; c += W) vstore(drow + c, vload<V>(prow + c) * (vload<V>(drow + c) - dvec));
             fill(drow + npr, np - npr, A(0));
+            if (dbias) {
+              A* at = dbias + (i0 + r) * p.bias_row_stride + j0 * p.bias_col_stride;
+              for (int64_t c = lb(r); c < nv; ++c) {
+                A& e = at[c * p.bias_col_stride];
+                if (p.dbias_shared)
+                  std::atomic_ref<A>(e).fetch_add(drow[c], std::memory_order_relaxed);
+                else
+                  e += drow[c];
+              }
+            }
             if (p.has_softcap()) {  // through the cap: d(capped)/dx = 1 - tanh^2
               const A* th = w.th + r * ldk;
               for (int64_t c = lb(r); c < nv; ++c) drow[c] *= A(1) - th[c] * th[c];

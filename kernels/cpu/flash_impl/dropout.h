@@ -53,7 +53,7 @@ inline EntryMask entry_mask_of(const AttentionKernelParams& p, int64_t b) {
                     p.window_right);
 }
 
-// Soft-capping and ALiBi of (b, h), in log2 units (common/attention_mask.h).
+// Soft-capping, bias, ALiBi and mask of (b, h), in log2 units (common/attention_mask.h).
 template <class A>
 ScoreMod<A> score_mod_of(const AttentionKernelParams& p, const EntryMask& m, int64_t b, int64_t h) {
   constexpr double kLog2e = 1.4426950408889634;
@@ -62,6 +62,8 @@ ScoreMod<A> score_mod_of(const AttentionKernelParams& p, const EntryMask& m, int
   if (p.alibi_slopes)
     mod.slope = static_cast<A>(p.alibi_slopes[b * p.alibi_batch_stride + h * p.alibi_head_stride] * kLog2e);
   mod.offset = m.offset;
+  mod.set_planes(b * p.heads + h, static_cast<const A*>(p.bias), p.bias_offsets, p.bias_row_stride, p.bias_col_stride,
+                 p.mask, p.mask_offsets, p.mask_row_stride, p.mask_col_stride);
   return mod;
 }
 

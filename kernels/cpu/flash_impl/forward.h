@@ -171,13 +171,19 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
         continue;
       }
       const int64_t npr = round_up(nv, W);
-      if (mod.on()) {  // scores are q' . k = x (log2 units): cap, ALiBi
+      if (mod.on()) {  // scores are q' . k = x (log2 units): cap, bias, ALiBi, mask
         A t;
         for (int64_t c = lb; c < nv; ++c) srow[c] = mod.apply(srow[c], r0 + r, j0 + c, t);
       }
       fill(srow, lb, -kInf);
       fill(srow + nv, npr - nv, -kInf);
       const A mnew = std::max(w.m[r], row_max(srow, npr));
+      // A mask or a -inf bias forbade all of it so far: as above. (row_max
+      // skips NaN, which must still reach the output: NaN in, NaN out.)
+      if (mnew == -kInf && std::none_of(srow + lb, srow + nv, [](A x) { return x != x; })) {
+        fill(srow, np, A(0));
+        continue;
+      }
       const A alpha = std::exp2(w.m[r] - mnew);  // 0 on the row's first tile
       const A sum = exp2_row(srow, npr, A(1), mnew);
       fill(srow + npr, np - npr, A(0));  // read by P V up to the row block's longest prefix

@@ -46,6 +46,9 @@ struct AttentionCall {
   double softcap = 0.0;  // 0 = off
   std::optional<Tensor> alibi_slopes;
   std::optional<Tensor> sinks;  // the off-by-one sink is a zero scalar here
+  // Additive float bias and bool mask (true = may attend), each over a subset
+  // of batch ∪ keys_only ∪ query_groups ∪ {query_spatial, kv_spatial}.
+  std::optional<Tensor> bias, mask;
 
   bool has_window() const { return window_left >= 0 || window_right >= 0; }
   bool positional() const { return causal || has_window() || alibi_slopes.has_value(); }
@@ -65,6 +68,7 @@ Tensor attention_dropout_keep_mask(const AttentionCall& call, const Tensor& like
 struct AttentionCallGrads {
   Tensor query, keys, values;
   std::optional<Tensor> sinks;  // over the call's sinks dims, when it has sinks
+  std::optional<Tensor> bias;   // over the call's bias dims, when it has a bias
 };
 
 }  // namespace dimattn

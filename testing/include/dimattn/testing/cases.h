@@ -50,6 +50,11 @@ struct AttentionCase {
   std::optional<int64_t> window_left, window_right;
   std::optional<double> softcap;
   bool alibi = false, sinks = false;
+  // An additive bias and a bool mask over the dims their letters name: b
+  // batch, h heads, g the group dim, t the query's time dim, k the kv dim
+  // (in self-attention the shared time dim, as the kv position); "": none.
+  // Bias unit-normal (seed + 3), mask true with probability 3/4 (seed + 4).
+  std::string bias, mask;
 
   // The scale dot_attention applies.
   double softmax_scale() const;
