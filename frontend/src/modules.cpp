@@ -4,6 +4,7 @@
 
 #include "dimattn/error.h"
 #include "dimattn/internal/check.h"
+#include "op_util.h"
 
 namespace dimattn {
 
@@ -38,6 +39,32 @@ std::tuple<Tensor, Tensor, Dim> append(const Tensor& keys, const Tensor& values,
   return {k_all, v_all, axis};
 }
 
+// The last `left` positions of each entry's history (all of a shorter one):
+// the next query, at position L, sees L - left .. L and nothing earlier ever
+// again. The result's axis has extent <= left.
+// pre: left >= 0; `axis` is dynamic.
+std::tuple<Tensor, Tensor, Dim> keep_last(const Tensor& keys, const Tensor& values, const Dim& axis, int64_t left) {
+  if (axis.extent() <= left) return {keys, values, axis};
+  const Tensor len = cast(axis.lengths(), DType::int64);
+  const TensorOptions int_opts = detail::options_like(len);
+  const Tensor kept = minimum(len, full({}, static_cast<double>(left), int_opts));
+  Dim hist = Dim::dynamic("history", kept, left);
+  // Entry b keeps positions len - kept + t, t < left: within axis's extent,
+  // as kept == left where len > left, and extent > left otherwise.
+  const Tensor idx = add(sub(len, kept), range_over_dim(hist, int_opts));
+  return {gather(keys, axis, idx), gather(values, axis, idx), hist};
+}
+
+void check_window(const char* module, const AttentionConfig& c, bool causal) {
+  if (!c.window) return;
+  const AttentionWindow& w = *c.window;
+  DIMATTN_CHECK(w.left || w.right, module, "window has neither left nor right set; leave window unset for none");
+  DIMATTN_CHECK(!w.left || *w.left >= 0, module, "window.left must be >= 0 positions, got ", w.left.value_or(0));
+  DIMATTN_CHECK(!w.right || *w.right >= 0, module, "window.right must be >= 0 positions, got ", w.right.value_or(0));
+  DIMATTN_CHECK(!causal || !w.right || *w.right == 0, module, "window.right is ", w.right.value_or(0),
+                " but causal attention sees no position after the query; set window.left only");
+}
+
 }  // namespace
 
 Linear::Linear(Dim in, Dim out, uint64_t seed, const TensorOptions& opts, bool with_bias)
@@ -51,14 +78,31 @@ Tensor Linear::operator()(const Tensor& x) const {
   return bias ? add(y, *bias) : y;
 }
 
-SelfAttention::SelfAttention(const AttentionConfig& c)
+SelfAttention::SelfAttention(const AttentionConfig& c) : SelfAttention(c, "SelfAttention", false) {}
+
+SelfAttention::SelfAttention(const AttentionConfig& c, const char* module, bool causal)
     : config(c),
       heads(heads_dim(c)),
-      key_dim_per_head(per_head("SelfAttention", c.key_dim_total, heads)),
-      value_dim_per_head(per_head("SelfAttention", c.value_dim_total, heads)),
+      key_dim_per_head(per_head(module, c.key_dim_total, heads)),
+      value_dim_per_head(per_head(module, c.value_dim_total, heads)),
       qkv_dim_per_head("qkv_per_head", 2 * key_dim_per_head.extent() + value_dim_per_head.extent()),
       qkv(c.in_dim, heads * qkv_dim_per_head, c.seed, c.opts),
-      proj(c.value_dim_total, c.proj_dim, c.seed + 2, c.opts) {}
+      proj(c.value_dim_total, c.proj_dim, c.seed + 2, c.opts) {
+  check_window(module, c, causal);
+  if (c.sinks) sinks = init_uniform({heads}, 1, c.seed + 6, c.opts);
+  if (c.alibi) alibi_slopes = from_host({heads}, standard_alibi_slopes(c.num_heads), c.opts);
+}
+
+std::vector<double> standard_alibi_slopes(int64_t num_heads) {
+  DIMATTN_CHECK(num_heads > 0, "standard_alibi_slopes", "num_heads must be positive, got ", num_heads);
+  int64_t p = 1;  // the largest power of two <= num_heads
+  while (2 * p <= num_heads) p *= 2;
+  std::vector<double> slopes;
+  for (int64_t k = 0; k < p; ++k) slopes.push_back(std::exp2(-8.0 * static_cast<double>(k + 1) / static_cast<double>(p)));
+  for (int64_t j = 0; j < num_heads - p; ++j)
+    slopes.push_back(std::exp2(-8.0 * static_cast<double>(2 * j + 1) / static_cast<double>(2 * p)));
+  return slopes;
+}
 
 std::tuple<Tensor, Tensor, Tensor> SelfAttention::project_qkv(const Tensor& x) const {
   Tensor fused = split_dims(qkv(x), qkv.out_dim, {heads, qkv_dim_per_head});
@@ -75,18 +119,29 @@ AttentionOptions SelfAttention::attention_options(const Dim& axis) const {
   return {.key_dim = key_dim_per_head,
           .axis = axis,
           .att_dropout = config.att_dropout,
-          .att_dropout_broadcast = config.att_dropout_broadcast};
+          .att_dropout_broadcast = config.att_dropout_broadcast,
+          .softcap = config.softcap,
+          .alibi_slopes = alibi_slopes,
+          .sinks = sinks,
+          .sink_off_by_one = config.sink_off_by_one};
 }
 
 Tensor SelfAttention::operator()(const Tensor& x, const Dim& axis) const {
   auto [q, k, v] = project_qkv(x);
-  return merge_heads(dot_attention(q, k, v, attention_options(axis)));
+  AttentionOptions o = attention_options(axis);
+  // Self-attention: the query's positions are `axis` (the kv side is relabelled).
+  if (config.window || config.alibi) o.query_position_dim = axis;
+  o.window = config.window;
+  return merge_heads(dot_attention(q, k, v, o));
 }
+
+CausalSelfAttention::CausalSelfAttention(const AttentionConfig& c) : SelfAttention(c, "CausalSelfAttention", true) {}
 
 Tensor CausalSelfAttention::operator()(const Tensor& x, const Dim& axis) const {
   auto [q, k, v] = project_qkv(x);
   AttentionOptions o = attention_options(axis);
   o.causal_query_spatial_dim = axis;
+  o.window = config.window;
   return merge_heads(dot_attention(q, k, v, o));
 }
 
@@ -100,30 +155,29 @@ CausalSelfAttention::State CausalSelfAttention::initial_state(const Dims& batch)
   return {zeros(kdims, config.opts), zeros(vdims, config.opts), hist};
 }
 
-std::pair<Tensor, CausalSelfAttention::State> CausalSelfAttention::extend(const Tensor& q, const Tensor& k,
-                                                                          const Tensor& v, const Dim& axis,
-                                                                          const State& state, bool causal) const {
-  auto [k_all, v_all, kv_axis] = append(state.keys, state.values, state.axis, k, v, axis);
-  AttentionOptions o = attention_options(kv_axis);
-  if (causal) {
-    o.causal_query_spatial_dim = axis;
-    o.causal_offset = state.axis.lengths();
-  }
-  return {merge_heads(dot_attention(q, k_all, v_all, o)), State{k_all, v_all, kv_axis}};
-}
-
 std::pair<Tensor, CausalSelfAttention::State> CausalSelfAttention::step(const Tensor& x, const State& state) const {
-  auto [q, k, v] = project_qkv(x);
-  // The new position attends the whole history and itself: no causal mask needed.
+  // A chunk of one position: its causal offset (the history length) places
+  // it for the window and ALiBi.
   Dim one("step", 1);
-  return extend(q, expand_dim(k, one), expand_dim(v, one), one, state, false);
+  auto [y, next] = chunk(expand_dim(x, one), one, state);
+  return {squeeze(y, one), next};
 }
 
 std::pair<Tensor, CausalSelfAttention::State> CausalSelfAttention::chunk(const Tensor& x, const Dim& axis,
                                                                          const State& state) const {
   DIMATTN_CHECK(x.has(axis), "CausalSelfAttention", "chunk axis ", axis.repr(), " is not in ", repr(x.dims()));
   auto [q, k, v] = project_qkv(x);
-  return extend(q, k, v, axis, state, true);
+  auto [k_all, v_all, kv_axis] = append(state.keys, state.values, state.axis, k, v, axis);
+  AttentionOptions o = attention_options(kv_axis);
+  o.causal_query_spatial_dim = axis;
+  // Chunk row i of entry b is position lengths[b] + i of what the state
+  // holds; a windowed state holds only the window, which is all row i sees.
+  o.causal_offset = state.axis.lengths();
+  o.window = config.window;
+  Tensor y = merge_heads(dot_attention(q, k_all, v_all, o));
+  if (config.window && config.window->left)
+    std::tie(k_all, v_all, kv_axis) = keep_last(k_all, v_all, kv_axis, *config.window->left);
+  return {y, State{k_all, v_all, kv_axis}};
 }
 
 CrossAttention::CrossAttention(const AttentionConfig& c, Dim enc)
@@ -135,7 +189,12 @@ CrossAttention::CrossAttention(const AttentionConfig& c, Dim enc)
       kv_dim_per_head("kv_per_head", key_dim_per_head.extent() + value_dim_per_head.extent()),
       query(c.in_dim, c.key_dim_total, c.seed, c.opts),
       kv(enc, heads * kv_dim_per_head, c.seed + 4, c.opts),
-      proj(c.value_dim_total, c.proj_dim, c.seed + 2, c.opts) {}
+      proj(c.value_dim_total, c.proj_dim, c.seed + 2, c.opts) {
+  DIMATTN_CHECK(!c.window && !c.alibi, "CrossAttention", c.window ? "a window" : "ALiBi",
+                " measures the distance between query and key positions, which cross-attention does not relate ",
+                "(decoder vs encoder); leave window and alibi unset");
+  if (c.sinks) sinks = init_uniform({heads}, 1, c.seed + 6, c.opts);
+}
 
 CrossAttention::State CrossAttention::transform_encoder(const Tensor& encoder, const Dim& axis) const {
   DIMATTN_CHECK(encoder.has(axis), "CrossAttention", "encoder axis ", axis.repr(), " is not in ", repr(encoder.dims()));
@@ -149,7 +208,10 @@ Tensor CrossAttention::operator()(const Tensor& x, const State& state) const {
   AttentionOptions o{.key_dim = key_dim_per_head,
                      .axis = state.axis,
                      .att_dropout = config.att_dropout,
-                     .att_dropout_broadcast = config.att_dropout_broadcast};
+                     .att_dropout_broadcast = config.att_dropout_broadcast,
+                     .softcap = config.softcap,
+                     .sinks = sinks,
+                     .sink_off_by_one = config.sink_off_by_one};
   Tensor att = dot_attention(q, state.keys, state.values, o);
   return proj(merge_dims(att, {heads, value_dim_per_head}, config.value_dim_total).first);
 }

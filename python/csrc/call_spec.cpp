@@ -49,6 +49,14 @@ std::pair<int, std::vector<std::string>> indexed(std::string_view entry, std::st
   return {static_cast<int>(to_int(entry, value.substr(0, colon))), split(value.substr(colon + 1), ',')};
 }
 
+// "LEFT:RIGHT", either side empty for unbounded.
+WindowSpec window(std::string_view entry, std::string_view value) {
+  const size_t colon = value.find(':');
+  if (colon == std::string_view::npos) bad(entry, "expected LEFT:RIGHT");
+  auto side = [&](std::string_view v) { return v.empty() ? std::nullopt : std::optional<int64_t>(to_int(entry, v)); };
+  return {side(value.substr(0, colon)), side(value.substr(colon + 1))};
+}
+
 }  // namespace
 
 CallSpec parse_call_spec(std::string_view text) {
@@ -82,6 +90,13 @@ CallSpec parse_call_spec(std::string_view text) {
     else if (key == "seed") s.seed = static_cast<int>(to_int(entry, value));
     else if (key == "scale") s.scale = to_double(entry, value);
     else if (key == "force") s.force = value;
+    else if (key == "query_position") s.query_position = value;
+    else if (key == "window") s.window = window(entry, value);
+    else if (key == "softcap") s.softcap = to_double(entry, value);
+    else if (key == "alibi" || key == "sinks") {
+      auto [index, over] = indexed(entry, value);
+      (key == "alibi" ? s.alibi : s.sinks) = AuxTensorSpec{index, std::move(over)};
+    } else if (key == "sink_off_by_one") s.sink_off_by_one = value == "1";
     else bad(entry, "unknown key '" + std::string(key) + "'");
   }
   if (s.key_dim.empty() || s.axis.empty()) bad(text, "key_dim and axis are required");

@@ -1,23 +1,27 @@
 #pragma once
 // The call spec: how a dot_attention call's dims and options cross the torch
 // op boundary. Tensors travel as op arguments (query, keys, values, and the
-// auxiliary list: lengths of dynamic dims, causal offsets, the dropout seed);
-// everything else travels in one string, so that a framework maps its own dim
-// objects onto names, and a new option is one entry here and one in
-// python/dimattn/_spec.py, not a new op schema.
+// auxiliary list: lengths of dynamic dims, causal offsets, ALiBi slopes,
+// sinks, the dropout seed); everything else travels in one string, so that a
+// framework maps its own dim objects onto names, and a new option is one
+// entry here and one in python/dimattn/_attention.py, not a new op schema.
 //
 //   q=batch,heads,time,feat;k=batch,heads,kv,feat;v=batch,heads,kv,vfeat;
 //   out=batch,heads,time,vfeat;key_dim=feat;axis=kv;dyn.kv=0:batch;
-//   causal=time;causal_offset=1:batch;dropout=0.1;broadcast=1;train=1;seed=2;
-//   scale=0.125;force=reference;size.x=4
+//   causal=time;causal_offset=1:batch;dropout=0.1;broadcast=1;train=1;seed=4;
+//   scale=0.125;force=reference;size.x=4;query_position=time;window=128:;
+//   softcap=50.0;alibi=2:heads;sinks=3:heads;sink_off_by_one=1
 //
 // Entries are separated by ';', the key ends at the first '='. Lists are
 // comma-separated names. "dyn.NAME=I:d1,d2" makes NAME a dynamic dim whose
 // lengths are aux[I] over dims d1, d2; "causal_offset=I:dims" is aux[I] over
 // dims (or "causal_offset_int=N" for a constant); "seed=I" is the dropout
 // seed in aux[I] (an int64 scalar); "size.NAME=N" is the size of a dim that is
-// in no operand (so that an error can name it with its size). Names hold no
-// ';', ',', '=' or ':' (the Python side makes them so).
+// in no operand (so that an error can name it with its size). The variants:
+// "query_position=NAME" (AttentionOptions::query_position_dim),
+// "window=LEFT:RIGHT" (an empty side is unbounded), "softcap=X",
+// "alibi=I:dims" and "sinks=I:dims" (aux[I] over dims), "sink_off_by_one=1".
+// Names hold no ';', ',', '=' or ':' (the Python side makes them so).
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -31,6 +35,16 @@ struct DynamicDimSpec {
   std::string name;
   int lengths = -1;               // index into aux
   std::vector<std::string> over;  // the lengths tensor's dims, in its order
+};
+
+// An auxiliary tensor and the names of its dims, in its order.
+struct AuxTensorSpec {
+  int index = -1;  // into aux
+  std::vector<std::string> over;
+};
+
+struct WindowSpec {
+  std::optional<int64_t> left, right;  // unset: unbounded
 };
 
 struct CallSpec {
@@ -49,6 +63,12 @@ struct CallSpec {
   std::optional<int> seed;  // index into aux
   std::optional<double> scale;
   std::optional<std::string> force;
+  // variants
+  std::optional<std::string> query_position;
+  std::optional<WindowSpec> window;
+  std::optional<double> softcap;
+  std::optional<AuxTensorSpec> alibi, sinks;
+  bool sink_off_by_one = false;
 };
 
 // Throws dimattn::Error "[dimattn op] ..." for a malformed spec or an unknown

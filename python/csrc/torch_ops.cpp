@@ -2,7 +2,7 @@
 // loaded by the Python package with torch.ops.load_library; no Python C-API.
 //
 //   dimattn::dot_attention(query, keys, values, aux, spec) -> out
-//   dimattn::dot_attention_backward(grad_out, query, keys, values, aux, spec) -> (gq, gk, gv)
+//   dimattn::dot_attention_backward(grad_out, query, keys, values, aux, spec) -> (gq, gk, gv, gsinks)
 //   dimattn::dot_attention_trace(query, keys, values, aux, spec) -> (energy, att_weights)
 //   dimattn::explain(query, keys, values, aux, spec) -> str
 //   dimattn::kernel_names() -> str[]
@@ -17,7 +17,9 @@
 // fake kernel in Python), so that torch.compile's AOTAutograd traces both
 // passes without a graph break. It recomputes the forward pass with autograd
 // on, through the torch backend's own autograd (every kernel of its table
-// has one), from the same dropout seed, so the same mask is drawn.
+// has one), from the same dropout seed, so the same mask is drawn. Of the
+// auxiliary tensors only the sinks (learnable logits) get a gradient; it is
+// the backward op's fourth output (size 0 for a call without sinks).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -51,6 +53,12 @@ std::string join(const std::vector<std::string>& names) {
   return "(" + s + ")";
 }
 
+const at::Tensor& aux_at(at::TensorList aux, int i) {
+  if (i < 0 || i >= static_cast<int>(aux.size()))
+    fail("call spec refers to auxiliary tensor " + std::to_string(i) + " of " + std::to_string(aux.size()));
+  return aux[i];
+}
+
 // One call's Dims by name, built from the spec and the operands' shapes.
 class DimTable {
  public:
@@ -61,6 +69,8 @@ class DimTable {
     take_sizes("values", s.v, v);
     for (const DynamicDimSpec& d : s.dynamic) take_sizes("lengths of " + d.name, d.over, aux_at(aux, d.lengths));
     if (s.causal_offset) take_sizes("causal_offset", s.causal_offset_dims, aux_at(aux, *s.causal_offset));
+    if (s.alibi) take_sizes("alibi_slopes", s.alibi->over, aux_at(aux, s.alibi->index));
+    if (s.sinks) take_sizes("sinks", s.sinks->over, aux_at(aux, s.sinks->index));
     for (const auto& [name, size] : s.sizes) sizes_.try_emplace(name, size);
 
     for (const auto& [name, size] : sizes_)
@@ -109,11 +119,6 @@ class DimTable {
     for (const DynamicDimSpec& d : s.dynamic)
       if (d.name == name) return true;
     return false;
-  }
-  static const at::Tensor& aux_at(at::TensorList aux, int i) {
-    if (i < 0 || i >= static_cast<int>(aux.size()))
-      fail("call spec refers to auxiliary tensor " + std::to_string(i) + " of " + std::to_string(aux.size()));
-    return aux[i];
   }
   void take_sizes(const std::string& what, const std::vector<std::string>& names, const at::Tensor& t) {
     if (t.dim() != static_cast<int64_t>(names.size()))
@@ -170,6 +175,12 @@ Call make_call(c10::string_view spec_text, const at::Tensor& q, const at::Tensor
     c.opts.causal_offset = from_aten(off, {});
   }
   c.opts.scale = s.scale;
+  if (s.query_position) c.opts.query_position_dim = t[*s.query_position];
+  if (s.window) c.opts.window = AttentionWindow{s.window->left, s.window->right};
+  c.opts.softcap = s.softcap;
+  if (s.alibi) c.opts.alibi_slopes = from_aten(aux[s.alibi->index], t.dims(s.alibi->over));
+  if (s.sinks) c.opts.sinks = from_aten(aux[s.sinks->index], t.dims(s.sinks->over));
+  c.opts.sink_off_by_one = s.sink_off_by_one;
   return c;
 }
 
@@ -214,11 +225,9 @@ at::Tensor dot_attention_op(const at::Tensor& q, const at::Tensor& k, const at::
   return in_order(out, c.spec.out, *c.table, "the output", {&q, &k, &v});
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dot_attention_backward_op(const at::Tensor& grad_out,
-                                                                        const at::Tensor& q, const at::Tensor& k,
-                                                                        const at::Tensor& v,
-                                                                        at::TensorList aux,
-                                                                        c10::string_view spec) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dot_attention_backward_op(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::TensorList aux,
+    c10::string_view spec) {
   // Below the Autograd key the dispatcher excludes autograd; the recomputed
   // forward needs it back, with grad mode on.
   c10::impl::LocalDispatchKeySet keys = c10::impl::tls_local_dispatch_key_set();
@@ -228,7 +237,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dot_attention_backward_op(const a
 
   const at::Tensor qd = q.detach().requires_grad_(true), kd = k.detach().requires_grad_(true),
                    vd = v.detach().requires_grad_(true);
-  const Call c = make_call(spec, qd, kd, vd, aux);
+  std::vector<at::Tensor> inputs{qd, kd, vd}, aux_d(aux.begin(), aux.end());
+  const std::optional<AuxTensorSpec> sinks = parsed(spec).sinks;
+  if (sinks) {
+    const at::Tensor sd = aux_at(aux, sinks->index).detach().requires_grad_(true);
+    aux_d[sinks->index] = sd;
+    inputs.push_back(sd);
+  }
+  const Call c = make_call(spec, qd, kd, vd, aux_d);
   const RunScope scope(c.spec, aux);
   const Tensor out = dot_attention(*c.q, *c.k, *c.v, c.opts);
   const at::Tensor o = to_aten(out).permute([&] {
@@ -236,13 +252,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dot_attention_backward_op(const a
     for (const std::string& n : c.spec.out) perm.push_back(out.axis_of((*c.table)[n]));
     return perm;
   }());
-  const torch::autograd::variable_list g =
-      torch::autograd::grad({o}, {qd, kd, vd}, {grad_out}, /*retain_graph=*/false, /*create_graph=*/false,
-                            /*allow_unused=*/true);
+  const torch::autograd::variable_list g = torch::autograd::grad(
+      {o}, inputs, {grad_out}, /*retain_graph=*/false, /*create_graph=*/false, /*allow_unused=*/true);
   auto or_zeros = [](const at::Tensor& grad, const at::Tensor& like) {
     return grad.defined() ? grad.contiguous() : at::zeros_like(like, at::MemoryFormat::Contiguous);
   };
-  return {or_zeros(g[0], q), or_zeros(g[1], k), or_zeros(g[2], v)};
+  return {or_zeros(g[0], q), or_zeros(g[1], k), or_zeros(g[2], v),
+          sinks ? or_zeros(g[3], inputs[3]) : at::empty({0}, q.options())};
 }
 
 std::tuple<at::Tensor, at::Tensor> dot_attention_trace_op(const at::Tensor& q, const at::Tensor& k,
@@ -300,10 +316,13 @@ const auto& dot_attention_op_handle() {
   return op;
 }
 
+// The sinks (an aux tensor) are an input of their own too, so that autograd
+// gives them a gradient; the other aux tensors get none.
 class DotAttentionFunction : public torch::autograd::Function<DotAttentionFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const std::vector<at::Tensor>& aux, const std::string& spec) {
+                            const at::Tensor& v, const std::optional<at::Tensor>& /*sinks: in aux*/,
+                            const std::vector<at::Tensor>& aux, const std::string& spec) {
     const at::AutoDispatchBelowADInplaceOrView below;
     std::vector<at::Tensor> saved{q, k, v};
     saved.insert(saved.end(), aux.begin(), aux.end());
@@ -317,25 +336,30 @@ class DotAttentionFunction : public torch::autograd::Function<DotAttentionFuncti
     static const auto op =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("dimattn::dot_attention_backward", "")
-            .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+            .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::TensorList,
                 c10::string_view)>();
     const auto saved = ctx->get_saved_variables();
     const std::vector<at::Tensor> aux(saved.begin() + 3, saved.end());
     const std::string spec = ctx->saved_data["spec"].toStringRef();
-    auto [gq, gk, gv] = op.call(grads[0], saved[0], saved[1], saved[2], aux, spec);
-    return {gq, gk, gv, at::Tensor(), at::Tensor()};
+    auto [gq, gk, gv, gsinks] = op.call(grads[0], saved[0], saved[1], saved[2], aux, spec);
+    // No gradient for the sinks input where the call has none (it was no input then).
+    return {gq, gk, gv, parsed(spec).sinks ? gsinks : at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor dot_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   at::TensorList aux, c10::string_view spec) {
-  if (!at::GradMode::is_enabled() || !(q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+  const std::optional<AuxTensorSpec> sinks_spec = parsed(spec).sinks;
+  const std::optional<at::Tensor> sinks =
+      sinks_spec ? std::optional<at::Tensor>(aux_at(aux, sinks_spec->index)) : std::nullopt;
+  if (!at::GradMode::is_enabled() ||
+      !(q.requires_grad() || k.requires_grad() || v.requires_grad() || (sinks && sinks->requires_grad()))) {
     // Nothing to record (inference): straight to the device kernel.
     const at::AutoDispatchBelowADInplaceOrView below;
     return dot_attention_op_handle().call(q, k, v, aux, spec);
   }
-  return DotAttentionFunction::apply(q, k, v, aux.vec(), std::string(spec));
+  return DotAttentionFunction::apply(q, k, v, sinks, aux.vec(), std::string(spec));
 }
 
 }  // namespace
@@ -345,7 +369,7 @@ TORCH_LIBRARY(dimattn, m) {
   m.def("dot_attention(Tensor query, Tensor keys, Tensor values, Tensor[] aux, str spec) -> Tensor");
   m.def(
       "dot_attention_backward(Tensor grad_output, Tensor query, Tensor keys, Tensor values, Tensor[] aux, str spec) "
-      "-> (Tensor, Tensor, Tensor)");
+      "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("dot_attention_trace(Tensor query, Tensor keys, Tensor values, Tensor[] aux, str spec) -> (Tensor, Tensor)");
   m.def("explain(Tensor query, Tensor keys, Tensor values, Tensor[] aux, str spec) -> str");
   m.def("kernel_names() -> str[]", &dimattn::python::kernel_names_op);

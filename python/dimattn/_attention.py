@@ -3,14 +3,15 @@
 A call is encoded once per call as the op library's call spec (python/csrc/call_spec.h):
 the operands' dims become names, unique within the call (two Dims of one name get
 "name", "name#2"), dynamic dims send their lengths tensors along, and options
-become entries. A new option is a keyword here and one entry in ``_encode``.
+become entries (tensor options, as ALiBi's slopes and the sinks, an aux tensor
+each). A new option is a keyword here and one entry in ``_encode``.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import threading
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -224,15 +225,35 @@ def _check_operand(name: str, x) -> None:
                     f"got {type(x).__name__}")
 
 
+def _check_variants(window, softcap, alibi_slopes, sinks) -> None:
+    """What the op cannot say itself: the Python types of the variant options.
+    Their values (window sides >= 0, softcap > 0, the dims of slopes and sinks) are
+    the C++ library's to check, with its messages."""
+    if window is not None and not (isinstance(window, (tuple, list)) and len(window) == 2 and all(
+            side is None or (isinstance(side, int) and not isinstance(side, bool)) for side in window)):
+        raise Error(f"[dot_attention] window must be a pair (left, right) of ints, None for an unbounded side, "
+                    f"got {window!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))):
+        raise Error(f"[dot_attention] softcap must be a number > 0, got {type(softcap).__name__}")
+    for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if t is not None and not isinstance(t, Tensor):
+            raise Error(f"[dot_attention] {name} must be a dimattn.Tensor over batch dims (e.g. heads), "
+                        f"got {type(t).__name__}")
+    if alibi_slopes is not None and alibi_slopes.raw.requires_grad and torch.is_grad_enabled():
+        raise Error("[dot_attention] alibi_slopes require grad, but ALiBi's slopes are constants and get no "
+                    "gradient; pass alibi_slopes.raw.detach() (sinks are the learnable variant)")
+
+
 def _encode(query, keys, values, key_dim, axis, att_dropout, att_dropout_broadcast, causal_query_spatial_dim,
-            causal_offset, scale, train, out_dims, energy_dims=None):
+            causal_offset, scale, train, out_dims, energy_dims=None, *, query_position_dim=None, window=None,
+            softcap=None, alibi_slopes=None, sinks=None, sink_off_by_one=False):
     c = _Call(axis)
     e = c.entries
     e.append("q=" + c.names_of(query.dims))
     e.append("k=" + c.names_of(keys.dims))
     e.append("v=" + c.names_of(values.dims))
     e.append("out=" + c.names_of(out_dims))
-    for opt in (key_dim, axis, causal_query_spatial_dim):
+    for opt in (key_dim, axis, causal_query_spatial_dim, query_position_dim):
         if opt is not None and not any(opt is d for d in c.dims) and opt.size is not None:
             e.append(f"size.{c.name(opt)}={opt.size}")
     e.append("key_dim=" + c.name(key_dim))
@@ -252,6 +273,21 @@ def _encode(query, keys, values, key_dim, axis, att_dropout, att_dropout_broadca
         else:
             raise Error("[dot_attention] causal_offset must be an int, a rank-0 torch tensor or a dimattn.Tensor "
                         f"over batch dims, got {type(causal_offset).__name__}")
+    if query_position_dim is not None:
+        e.append("query_position=" + c.name(query_position_dim))
+    if window is not None:
+        e.append("window=" + ":".join("" if side is None else str(int(side)) for side in window))
+    if softcap is not None:
+        e.append(f"softcap={float(softcap)!r}")
+    # Slopes and sinks: after every other aux tensor but the seed, so that a
+    # cached encoding appends them (and the seed) per call.
+    for entry, t in (("alibi", alibi_slopes), ("sinks", sinks)):
+        if t is not None:
+            over = c.names_of(t.dims)
+            c.aux.append(t.raw)
+            e.append(f"{entry}={len(c.aux) - 1}:{over}")
+    if sink_off_by_one:
+        e.append("sink_off_by_one=1")
     if att_dropout:
         e.append(f"dropout={float(att_dropout)!r}")
     if att_dropout_broadcast:
@@ -291,7 +327,11 @@ def dot_attention(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, 
                   att_dropout: float = 0.0, att_dropout_broadcast: bool = False,
                   causal_query_spatial_dim: Optional[Dim] = None,
                   causal_offset: Union[None, int, torch.Tensor, Tensor] = None,
-                  scale: Optional[float] = None, train: Optional[bool] = None) -> Tensor:
+                  scale: Optional[float] = None, train: Optional[bool] = None,
+                  query_position_dim: Optional[Dim] = None,
+                  window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                  softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
+                  sinks: Optional[Tensor] = None, sink_off_by_one: bool = False) -> Tensor:
     """Scaled dot-product attention over named dims (RETURNN's semantics, docs/python.md).
 
     query ``{..., key_dim}``, keys ``{..., axis, key_dim}``, values ``{..., axis, v_feat...}``;
@@ -302,14 +342,28 @@ def dot_attention(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, 
     only when ``train`` (default: :func:`train_flag`); ``att_dropout_broadcast`` draws
     one mask over ``axis`` shared by every other dim. ``scale`` defaults to
     1/sqrt(size(key_dim)).
+
+    Variants: ``window=(left, right)`` (row i sees i + offset - left <= j <= i + offset
+    + right; None is unbounded), ``softcap`` (energies -> softcap * tanh(energy /
+    softcap)), ``alibi_slopes`` (energy -= slope * |i + offset - j|) and ``sinks`` (a
+    logit in every softmax denominator, learnable), each a dimattn.Tensor over batch
+    dims, ``sink_off_by_one`` (the fixed sink logit 0). Windows and ALiBi measure along
+    the causal dim, else ``query_position_dim`` (``axis`` for self-attention).
     """
     train = _state.train if train is None else bool(train)
+    _check_variants(window, softcap, alibi_slopes, sinks)
+    variants = dict(query_position_dim=query_position_dim, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                    sinks=sinks, sink_off_by_one=sink_off_by_one)
     if not torch.compiler.is_compiling() and not _state.traces and type(causal_offset) in (type(None), int):
         # Eager: the encoding of a call is a function of its dims' identities
-        # and options, so repeated calls with the same Dims reuse it.
+        # and options, so repeated calls with the same Dims reuse it. Slopes,
+        # sinks and the dropout seed are the call's own: appended per call.
+        per_call = [t for t in (alibi_slopes, sinks) if t is not None]
         try:
             key = (query.dims, keys.dims, values.dims, key_dim, axis, att_dropout, att_dropout_broadcast,
-                   causal_query_spatial_dim, causal_offset, scale, train, _state.force[-1] if _state.force else None)
+                   causal_query_spatial_dim, causal_offset, scale, train, _state.force[-1] if _state.force else None,
+                   query_position_dim, None if window is None else tuple(window), softcap, sink_off_by_one,
+                   None if alibi_slopes is None else alibi_slopes.dims, None if sinks is None else sinks.dims)
             hit = _encodings.get(key)
         except (AttributeError, TypeError):  # not dimattn.Tensors: the checks below say so
             key = hit = None
@@ -318,15 +372,16 @@ def dot_attention(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, 
                 _check_operand(name, x)
             out_dims = _out_dims(query, keys, values, key_dim, axis)
             spec, aux = _encode(query, keys, values, key_dim, axis, att_dropout, att_dropout_broadcast,
-                                causal_query_spatial_dim, causal_offset, scale, train, out_dims)
+                                causal_query_spatial_dim, causal_offset, scale, train, out_dims, **variants)
             seeded = train and bool(att_dropout)
             if len(_encodings) >= _ENCODINGS_KEPT:
                 _encodings.pop(next(iter(_encodings)))
-            _encodings[key] = (spec, aux[:-1] if seeded else aux, out_dims, seeded)
+            _encodings[key] = (spec, aux[:len(aux) - len(per_call) - seeded], out_dims, seeded)
         elif hit is not None:
             spec, aux, out_dims, seeded = hit
+            aux = aux + [t.raw for t in per_call]
             if seeded:  # a new seed per call, as _encode draws it
-                aux = aux + [torch.randint(0, 2**62, (), dtype=torch.int64)]
+                aux.append(torch.randint(0, 2**62, (), dtype=torch.int64))
         if key is not None:
             try:
                 out = _forward(query.raw, keys.raw, values.raw, aux, spec)
@@ -340,8 +395,8 @@ def dot_attention(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, 
             causal_offset, scale, train)
     traces = _state.traces
     if traces and not torch.compiler.is_compiling():
-        return _traced_call(traces, args, out_dims)
-    spec, aux = _encode(*args, out_dims)
+        return _traced_call(traces, args, out_dims, variants)
+    spec, aux = _encode(*args, out_dims, **variants)
     try:
         out = _forward(query.raw, keys.raw, values.raw, aux, spec)
     except RuntimeError as err:
@@ -349,7 +404,7 @@ def dot_attention(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, 
     return Tensor(out, out_dims)
 
 
-def _traced_call(traces, args, out_dims) -> Tensor:
+def _traced_call(traces, args, out_dims, variants) -> Tensor:
     query, keys, values, key_dim, axis = args[:5]
     capture = any(t.capture_tensors for t in traces)
     energy_dims = _energy_dims(query, keys, key_dim, axis)
@@ -364,17 +419,17 @@ def _traced_call(traces, args, out_dims) -> Tensor:
             # The output through the reference path (with autograd), energies
             # and weights from the same call traced.
             with force("reference"):
-                spec, aux = _encode(*args, out_dims, energy_dims)
+                spec, aux = _encode(*args, out_dims, energy_dims, **variants)
             out = _forward(query.raw, keys.raw, values.raw, aux, spec)
             with torch.no_grad():
                 energy, weights = ops.dot_attention_trace(query.raw, keys.raw, values.raw, aux, spec)
             kernel = "reference"
             energy, weights = Tensor(energy, energy_dims[0]), Tensor(weights, energy_dims[0])
         else:
-            spec, aux = _encode(*args, out_dims)
+            spec, aux = _encode(*args, out_dims, **variants)
             kernel = ops.explain(query.raw, keys.raw, values.raw, aux, spec).split("\x1e", 1)[0].split("\x1d")[0]
             torch.random.set_rng_state(state)
-            spec, aux = _encode(*args, out_dims)
+            spec, aux = _encode(*args, out_dims, **variants)
             out = _forward(query.raw, keys.raw, values.raw, aux, spec)
             energy = weights = None
     except RuntimeError as err:
@@ -389,16 +444,22 @@ def _traced_call(traces, args, out_dims) -> Tensor:
 def explain(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, axis: Dim, att_dropout: float = 0.0,
             att_dropout_broadcast: bool = False, causal_query_spatial_dim: Optional[Dim] = None,
             causal_offset: Union[None, int, torch.Tensor, Tensor] = None, scale: Optional[float] = None,
-            train: Optional[bool] = None) -> Decision:
+            train: Optional[bool] = None, query_position_dim: Optional[Dim] = None,
+            window: Optional[Tuple[Optional[int], Optional[int]]] = None, softcap: Optional[float] = None,
+            alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+            sink_off_by_one: bool = False) -> Decision:
     """Which kernel :func:`dot_attention` would run for these arguments, and why each
     candidate before it was rejected. Runs nothing; raises like dot_attention for bad
     input or a forced kernel that cannot run."""
     for name, x in (("query", query), ("keys", keys), ("values", values)):
         _check_operand(name, x)
+    _check_variants(window, softcap, alibi_slopes, sinks)
     train = _state.train if train is None else bool(train)
     out_dims = _out_dims(query, keys, values, key_dim, axis)
     spec, aux = _encode(query, keys, values, key_dim, axis, att_dropout, att_dropout_broadcast,
-                        causal_query_spatial_dim, causal_offset, scale, train, out_dims)
+                        causal_query_spatial_dim, causal_offset, scale, train, out_dims,
+                        query_position_dim=query_position_dim, window=window, softcap=softcap,
+                        alibi_slopes=alibi_slopes, sinks=sinks, sink_off_by_one=sink_off_by_one)
     try:
         raw = ops.explain(query.raw, keys.raw, values.raw, aux, spec)
     except RuntimeError as err:

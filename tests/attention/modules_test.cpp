@@ -1,12 +1,17 @@
-// Attention modules: the three modes of CausalSelfAttention agree, cross
-// attention with a beam never tiles the encoder, the fused qkv weight is
-// head-major.
+// Attention modules: the three modes of CausalSelfAttention agree (with a
+// window too, whose step and chunk states stay bounded), cross attention with
+// a beam never tiles the encoder, the fused qkv weight is head-major, the
+// variants reach dot_attention as a manual call passes them, sinks learn.
+#include <cmath>
+
 #include "dimattn/modules.h"
+#include "dimattn/registry.h"
 #include "dimattn/trace.h"
 #include "support/test_util.h"
 
 namespace dimattn {
 namespace {
+using testing::expect_error;
 using testing::max_abs_diff;
 using testing::same_dims;
 
@@ -122,6 +127,340 @@ TEST_P(Modules, SameSeedSameParameters) {
   Linear a(in, out, 9, opts()), b(in, out, 9, opts()), c(in, out, 10, opts());
   EXPECT_EQ(to_host(a.weight), to_host(b.weight));
   EXPECT_NE(to_host(a.weight), to_host(c.weight));
+}
+
+// --- variants ---
+
+// The slopes written out from the paper's definition: powers of two get
+// 2^(-8k/n), k = 1..n; others add the in-between slopes of the next power.
+TEST(ModuleVariants, StandardAlibiSlopes) {
+  const std::vector<std::pair<int64_t, std::vector<double>>> cases = {
+      {1, {-8}},
+      {2, {-4, -8}},
+      {3, {-4, -8, -2}},
+      {4, {-2, -4, -6, -8}},
+      {6, {-2, -4, -6, -8, -1, -3}},
+      {8, {-1, -2, -3, -4, -5, -6, -7, -8}},
+      {12, {-1, -2, -3, -4, -5, -6, -7, -8, -0.5, -1.5, -2.5, -3.5}},
+  };
+  int ran = 0;
+  for (const auto& [n, exponents] : cases) {
+    const std::vector<double> got = standard_alibi_slopes(n);
+    ASSERT_EQ(got.size(), exponents.size()) << n << " heads";
+    for (size_t k = 0; k < got.size(); ++k) EXPECT_DOUBLE_EQ(got[k], std::exp2(exponents[k])) << n << " heads, head " << k;
+    ++ran;
+  }
+  EXPECT_EQ(ran, 7);
+  expect_error([] { standard_alibi_slopes(0); }, "standard_alibi_slopes", {"num_heads"});
+}
+
+// The protected projections, for building the manual call.
+template <class M>
+struct Open : M {
+  using M::M;
+  using M::merge_heads;
+  using M::project_qkv;
+};
+
+struct VariantCase {
+  std::string name;
+  bool causal;
+  void (*set)(AttentionConfig&);  // the variants of the case
+};
+
+// Four heads (per head: key 2, value 3), so that ALiBi's slopes differ in scale.
+AttentionConfig four_heads(const Dim& in, const Dim& out, const TensorOptions& opts) {
+  return {.in_dim = in, .proj_dim = out, .key_dim_total = Dim("key_total", 8),
+          .value_dim_total = Dim("value_total", 12), .num_heads = 4, .seed = 42, .opts = opts};
+}
+
+TEST_P(Modules, VariantsEqualAManualDotAttentionCall) {
+  const std::vector<VariantCase> cases = {
+      {"alibi", false, [](AttentionConfig& c) { c.alibi = true; }},
+      {"softcap", false, [](AttentionConfig& c) { c.softcap = 0.5; }},
+      {"sinks", false, [](AttentionConfig& c) { c.sinks = true; }},
+      {"off_by_one", false, [](AttentionConfig& c) { c.sink_off_by_one = true; }},
+      {"window_two_sided", false, [](AttentionConfig& c) { c.window = AttentionWindow{1, 2}; }},
+      {"causal_alibi", true, [](AttentionConfig& c) { c.alibi = true; }},
+      {"causal_softcap_sinks", true, [](AttentionConfig& c) { c.softcap = 0.5; c.sinks = true; }},
+      {"causal_window", true, [](AttentionConfig& c) { c.window = AttentionWindow{2, std::nullopt}; }},
+  };
+  Dim batch("batch", 2), in("in", 6), out("out", 5);
+  Dim time = Dim::dynamic("time", lengths(batch, {6, 4}));
+  const Tensor x = random_normal({batch, time, in}, 3, opts());
+  const std::vector<double> slopes = {0.25, 0.0625, 0.015625, 0.00390625};  // 2^-2, 2^-4, 2^-6, 2^-8
+  int ran = 0;
+  for (const VariantCase& v : cases) {
+    SCOPED_TRACE(v.name);
+    AttentionConfig c = four_heads(in, out, opts());
+    v.set(c);
+    // Only the module of the case: a two-sided window is no causal config.
+    std::optional<Open<CausalSelfAttention>> causal;
+    std::optional<Open<SelfAttention>> full;
+    if (v.causal)
+      causal.emplace(c);
+    else
+      full.emplace(c);
+    const SelfAttention& att = v.causal ? static_cast<const SelfAttention&>(*causal) : *full;
+    ASSERT_EQ(att.sinks.has_value(), c.sinks);
+    ASSERT_EQ(att.alibi_slopes.has_value(), c.alibi);
+    const Tensor got = v.causal ? (*causal)(x, time) : (*full)(x, time);
+
+    auto [q, k, vals] = v.causal ? causal->project_qkv(x) : full->project_qkv(x);
+    AttentionOptions o{.key_dim = att.key_dim_per_head, .axis = time, .window = c.window, .softcap = c.softcap};
+    if (v.causal)
+      o.causal_query_spatial_dim = time;
+    else if (c.window || c.alibi)
+      o.query_position_dim = time;
+    if (c.alibi) o.alibi_slopes = from_host({att.heads}, slopes, opts());
+    if (c.sinks) o.sinks = *att.sinks;
+    o.sink_off_by_one = c.sink_off_by_one;
+    const Tensor att_out = dot_attention(q, k, vals, o);
+    const Tensor want = v.causal ? causal->merge_heads(att_out) : full->merge_heads(att_out);
+    EXPECT_LT(max_abs_diff(got, want, {batch, time, out}), 1e-6);
+
+    // The variant changed the result: it was not dropped on the way.
+    const AttentionConfig plain_config = four_heads(in, out, opts());
+    const Tensor plain = v.causal ? CausalSelfAttention(plain_config)(x, time) : SelfAttention(plain_config)(x, time);
+    EXPECT_GT(max_abs_diff(got, plain, {batch, time, out}), 1e-4);
+    ++ran;
+  }
+  EXPECT_EQ(ran, 8);
+}
+
+TEST_P(Modules, SinksAreDeterministicFromTheSeed) {
+  Dim in("in", 4), out("out", 3);
+  AttentionConfig c = four_heads(in, out, opts());
+  c.sinks = true;
+  const SelfAttention a(c), b(c);
+  c.seed = 43;
+  const SelfAttention other(c);
+  EXPECT_EQ(to_host(*a.sinks), to_host(*b.sinks));
+  EXPECT_NE(to_host(*a.sinks), to_host(*other.sinks));
+  for (double s : to_host(*a.sinks)) EXPECT_TRUE(s >= -1 && s <= 1) << s;
+}
+
+TEST_P(Modules, CrossAttentionTakesSoftcapAndSinks) {
+  Dim batch("batch", 2), in("in", 6), enc_feat("enc_feat", 7), out("out", 4);
+  Dim enc = Dim::dynamic("enc", lengths(batch, {4, 6}));
+  AttentionConfig c = config(in, out);
+  c.softcap = 0.5;
+  c.sinks = true;
+  CrossAttention att(c, enc_feat);
+  ASSERT_TRUE(att.sinks.has_value());
+  const auto state = att.transform_encoder(random_normal({batch, enc, enc_feat}, 1, opts()), enc);
+  const Tensor x = random_normal({batch, in}, 2, opts());
+  const Tensor q = split_dims(att.query(x), c.key_dim_total, {att.heads, att.key_dim_per_head});
+  const Tensor manual = dot_attention(q, state.keys, state.values,
+                                     {.key_dim = att.key_dim_per_head, .axis = enc, .softcap = 0.5, .sinks = att.sinks});
+  const Tensor want = att.proj(merge_dims(manual, {att.heads, att.value_dim_per_head}, c.value_dim_total).first);
+  EXPECT_LT(max_abs_diff(att(x, state), want, {batch, out}), 1e-6);
+}
+
+TEST_P(Modules, BadVariantConfigsAreErrors) {
+  Dim in("in", 6), out("out", 5);
+  AttentionConfig c = config(in, out);
+  c.window = AttentionWindow{2, 1};
+  expect_error([&] { CausalSelfAttention att(c); }, "CausalSelfAttention", {"window.right is 1"});
+  c.window = AttentionWindow{-1, std::nullopt};
+  expect_error([&] { CausalSelfAttention att(c); }, "CausalSelfAttention", {"window.left", "-1"});
+  expect_error([&] { SelfAttention att(c); }, "SelfAttention", {"window.left", "-1"});
+  c.window = AttentionWindow{2, std::nullopt};
+  expect_error([&] { CrossAttention att(c, Dim("enc_feat", 3)); }, "CrossAttention", {"a window"});
+  c.window.reset();
+  c.alibi = true;
+  expect_error([&] { CrossAttention att(c, Dim("enc_feat", 3)); }, "CrossAttention", {"ALiBi"});
+}
+
+// Feeds x to a causal module in chunks: entry b's k-th chunk is its next
+// sizes[b][k] positions (a dynamic chunk dim; the entries' boundaries need not
+// agree). Checks each chunk's valid positions against `full`, and, with a
+// window, that the state keeps min(seen, left) positions per entry on an axis
+// of extent <= left. Returns the number of positions compared.
+int check_chunks(const CausalSelfAttention& att, const Tensor& x, const Tensor& full, const Dim& batch,
+                 const Dim& time, const std::vector<std::vector<int>>& sizes, const std::string& backend) {
+  const Dim out = att.config.proj_dim;
+  const std::vector<double> want = to_host(full, Dims{batch, time, out});
+  const int64_t B = batch.extent(), T = time.extent(), F = out.extent();
+  const std::optional<int64_t> left = att.config.window ? att.config.window->left : std::nullopt;
+  auto state = att.initial_state({batch});
+  std::vector<int64_t> start(B, 0);
+  int compared = 0;
+  for (size_t chunk_index = 0; chunk_index < sizes[0].size(); ++chunk_index) {
+    std::vector<double> lens(B);
+    int64_t extent = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      lens[b] = sizes[b].at(chunk_index);
+      extent = std::max<int64_t>(extent, sizes[b][chunk_index]);
+    }
+    Dim c = Dim::dynamic("chunk", from_host({batch}, lens, {.dtype = DType::int64, .backend = backend}), extent);
+    std::vector<double> idx;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < extent; ++t) idx.push_back(static_cast<double>(std::min(start[b] + t, T - 1)));
+    const Tensor xc = gather(x, time, from_host({batch, c}, idx, {.dtype = DType::int64, .backend = backend}));
+    auto [y, next] = att.chunk(xc, c, state);
+    state = next;
+    const std::vector<double> got = to_host(y, Dims{batch, c, out});
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t t = 0; t < lens[b]; ++t, ++compared)
+        for (int64_t f = 0; f < F; ++f)
+          EXPECT_NEAR(got[(b * extent + t) * F + f], want[(b * T + start[b] + t) * F + f], 1e-5)
+              << "chunk " << chunk_index << " entry " << b << " position " << start[b] + t;
+      start[b] += static_cast<int64_t>(lens[b]);
+    }
+    if (left) {
+      EXPECT_LE(state.axis.extent(), *left);
+      EXPECT_EQ(state.keys.shape().at(state.keys.axis_of(state.axis)), state.axis.extent());
+      const std::vector<double> kept = to_host(state.axis.lengths(), Dims{batch});
+      for (int64_t b = 0; b < B; ++b) EXPECT_EQ(kept[b], static_cast<double>(std::min(start[b], *left))) << "entry " << b;
+    }
+  }
+  return compared;
+}
+
+// Chunk sizes per entry: chunks of `size` over each entry's length (the
+// last ones shorter, then empty).
+std::vector<std::vector<int>> even_chunks(const std::vector<int>& lens, int size) {
+  const int longest = *std::max_element(lens.begin(), lens.end());
+  std::vector<std::vector<int>> sizes(lens.size());
+  for (size_t b = 0; b < lens.size(); ++b)
+    for (int s = 0; s < longest; s += size) sizes[b].push_back(std::clamp(lens[b] - s, 0, size));
+  return sizes;
+}
+
+TEST_P(Modules, WindowedCausalStepsAndChunksEqualTheFullSequence) {
+  const std::vector<VariantCase> cases = {
+      {"window3", true, [](AttentionConfig& c) { c.window = AttentionWindow{3, std::nullopt}; }},
+      {"window0", true, [](AttentionConfig& c) { c.window = AttentionWindow{0, 0}; }},
+      {"window2_alibi_softcap_sinks", true,
+       [](AttentionConfig& c) {
+         c.window = AttentionWindow{2, std::nullopt};
+         c.softcap = 0.8; c.alibi = true; c.sinks = true;
+       }},
+      {"alibi_off_by_one", true, [](AttentionConfig& c) { c.alibi = true; c.sink_off_by_one = true; }},
+  };
+  Dim batch("batch", 2), in("in", 6), out("out", 5);
+  const std::vector<int> lens = {9, 6};
+  Dim time = Dim::dynamic("time", lengths(batch, {9, 6}));
+  const Tensor x = random_normal({batch, time, in}, 3, opts());
+  int ran = 0;
+  for (const VariantCase& v : cases) {
+    SCOPED_TRACE(v.name);
+    AttentionConfig c = four_heads(in, out, opts());
+    v.set(c);
+    const CausalSelfAttention att(c);
+    const Tensor full = att(x, time);
+    const std::vector<double> want = to_host(full, Dims{batch, time, out});
+    const std::optional<int64_t> left = c.window ? c.window->left : std::nullopt;
+
+    // Step by step: every entry takes a position each step (the shorter one
+    // padding input past its length, compared only within it).
+    auto state = att.initial_state({batch});
+    int compared = 0;
+    for (int64_t t = 0; t < time.extent(); ++t) {
+      auto [y, next] = att.step(at(x, time, t), state);
+      state = next;
+      const std::vector<double> got = to_host(y, Dims{batch, out});
+      for (int b = 0; b < 2; ++b) {
+        if (t >= lens[b]) continue;
+        ++compared;
+        for (int f = 0; f < 5; ++f) EXPECT_NEAR(got[b * 5 + f], want[(b * 9 + t) * 5 + f], 1e-5) << "t " << t << " b " << b;
+      }
+      if (left) EXPECT_EQ(state.axis.extent(), std::min<int64_t>(t + 1, *left)) << "t " << t;
+    }
+    EXPECT_EQ(compared, 15);
+
+    // Chunks of several sizes, and chunks whose boundaries differ per entry.
+    int chunkings = 0;
+    for (int size : {1, 2, 3, 4, 9}) {
+      SCOPED_TRACE("chunks of " + std::to_string(size));
+      EXPECT_EQ(check_chunks(att, x, full, batch, time, even_chunks(lens, size), GetParam()), 15);
+      ++chunkings;
+    }
+    EXPECT_EQ(check_chunks(att, x, full, batch, time, {{2, 3, 0, 4}, {3, 1, 2, 0}}, GetParam()), 15);
+    EXPECT_EQ(chunkings, 5);
+    ++ran;
+  }
+  EXPECT_EQ(ran, 4);
+}
+
+TEST_P(Modules, WindowedStateStaysBoundedOverManySteps) {
+  Dim batch("batch", 3), in("in", 6), out("out", 5), time("time", 40);
+  AttentionConfig c = config(in, out);
+  c.window = AttentionWindow{4, std::nullopt};
+  const CausalSelfAttention att(c);
+  const Tensor x = random_normal({batch, time, in}, 7, opts());
+  auto state = att.initial_state({batch});
+  Tensor last = scalar(0.0, opts());
+  int steps = 0;
+  for (int64_t t = 0; t < time.extent(); ++t, ++steps) {
+    std::tie(last, state) = att.step(at(x, time, t), state);
+    ASSERT_LE(state.axis.extent(), 4) << "step " << t;
+    ASSERT_EQ(state.keys.shape().at(state.keys.axis_of(state.axis)), state.axis.extent());
+    ASSERT_EQ(state.values.shape().at(state.values.axis_of(state.axis)), state.axis.extent());
+    EXPECT_EQ(to_host(state.axis.lengths()), std::vector<double>(3, static_cast<double>(std::min<int64_t>(t + 1, 4))));
+  }
+  EXPECT_EQ(steps, 40);
+  // Still exact after 40 steps: the last position against the full sequence.
+  EXPECT_LT(max_abs_diff(last, at(att(x, time), time, 39), {batch, out}), 1e-5);
+
+  // Chunks of 7: the state holds 4 positions between chunks.
+  state = att.initial_state({batch});
+  int chunks = 0;
+  for (int64_t s = 0; s < 40; s += 7, ++chunks) {
+    Dim cd("chunk", std::min<int64_t>(7, 40 - s));
+    state = att.chunk(slice(x, time, s, s + cd.extent(), cd).first, cd, state).second;
+    ASSERT_EQ(state.axis.extent(), 4) << "chunk at " << s;
+  }
+  EXPECT_EQ(chunks, 6);
+}
+
+// The sinks parameter learns: its gradient through the module (torch's
+// autograd) against central differences of the loss, in float64.
+TEST_P(Modules, SinksGetAGradient) {
+  if (GetParam() != "torch") GTEST_SKIP() << "gradients through autograd are the torch backend's";
+  const TensorOptions o{.dtype = DType::float64, .backend = "torch"};
+  Dim batch("batch", 2), in("in", 6), out("out", 5);
+  Dim time = Dim::dynamic("time", from_host({batch}, {5, 3}, {.dtype = DType::int64, .backend = "torch"}));
+  const Tensor x = random_normal({batch, time, in}, 3, o);
+  const Tensor w = random_normal({batch, time, out}, 4, o);
+  int ran = 0;
+  for (bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "full");
+    AttentionConfig c = four_heads(in, out, o);
+    c.sinks = true;
+    c.window = AttentionWindow{2, causal ? std::nullopt : std::optional<int64_t>(1)};
+    std::optional<CausalSelfAttention> causal_att;
+    std::optional<SelfAttention> full_att;
+    if (causal)
+      causal_att.emplace(c);
+    else
+      full_att.emplace(c);
+    SelfAttention& att = causal ? static_cast<SelfAttention&>(*causal_att) : *full_att;
+    auto loss = [&] {
+      const Tensor y = causal ? (*causal_att)(x, time) : (*full_att)(x, time);
+      return reduce_sum(mul(y, w), {batch, time, out});
+    };
+    const std::vector<double> s0 = to_host(*att.sinks);
+    att.sinks->requires_grad(true);
+    loss().backward();
+    ASSERT_TRUE(att.sinks->grad().has_value()) << "no gradient reached the sinks";
+    const std::vector<double> grad = to_host(*att.sinks->grad());
+    const double eps = 1e-6;
+    for (size_t h = 0; h < s0.size(); ++h) {
+      auto at_value = [&](double value) {
+        std::vector<double> s = s0;
+        s[h] = value;
+        att.sinks = from_host({att.heads}, s, o);
+        return item(loss());
+      };
+      const double numeric = (at_value(s0[h] + eps) - at_value(s0[h] - eps)) / (2 * eps);
+      EXPECT_NEAR(grad[h], numeric, 1e-6) << "head " << h;
+      EXPECT_GT(std::abs(grad[h]), 1e-6) << "head " << h;
+    }
+    ++ran;
+  }
+  EXPECT_EQ(ran, 2);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, Modules, ::testing::ValuesIn(backend_names()), testing::backend_param_name);

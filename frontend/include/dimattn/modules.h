@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "dimattn/attention.h"
 #include "dimattn/ops.h"
@@ -32,7 +33,29 @@ struct AttentionConfig {
   bool att_dropout_broadcast = false;
   uint64_t seed = 0;
   TensorOptions opts = {};
+
+  // --- variants (docs/api.md, "Variants"), passed to dot_attention ---
+  // A sliding window in kv positions. CausalSelfAttention: `left` positions
+  // before each query (`right` unset or 0), and its step and chunk states keep
+  // only the last `left` positions. SelfAttention: either side. Not for
+  // CrossAttention (encoder and decoder positions are unrelated).
+  std::optional<AttentionWindow> window;
+  std::optional<double> softcap;
+  // ALiBi with standard_alibi_slopes(num_heads) over the heads dim. Not for
+  // CrossAttention.
+  bool alibi = false;
+  // A learnable sink logit per head: the module's `sinks` parameter, U(-1, 1)
+  // from seed + 6. Exclusive with sink_off_by_one (the fixed logit 0).
+  bool sinks = false;
+  bool sink_off_by_one = false;
 };
+
+// ALiBi's slopes for `num_heads` heads (Press et al., "Train Short, Test
+// Long", and BLOOM): for n a power of two, the geometric sequence
+// 2^(-8(k+1)/n), k = 0 .. n-1. Otherwise, with p the largest power of two
+// below n, the p slopes for p heads, then the first n - p of the slopes for
+// 2p heads that lie between those, 2^(-8(2j+1)/(2p)), j = 0, 1, ...
+std::vector<double> standard_alibi_slopes(int64_t num_heads);
 
 class SelfAttention {
  public:
@@ -43,25 +66,32 @@ class SelfAttention {
   AttentionConfig config;
   Dim heads, key_dim_per_head, value_dim_per_head, qkv_dim_per_head;
   Linear qkv, proj;
+  std::optional<Tensor> sinks;         // {heads}, with config.sinks (requires_grad(true) to learn it)
+  std::optional<Tensor> alibi_slopes;  // {heads}, with config.alibi
 
  protected:
+  // `module` names the module in errors; causal: its window may look back only.
+  SelfAttention(const AttentionConfig& config, const char* module, bool causal);
   // q, k {..., heads, key_dim_per_head}, v {..., heads, value_dim_per_head}.
   std::tuple<Tensor, Tensor, Tensor> project_qkv(const Tensor& x) const;
   // attention output {..., heads, value_dim_per_head} -> {..., proj_dim}
   Tensor merge_heads(const Tensor& att) const;
+  // key_dim, axis, dropout and the variants of every mode: softcap, ALiBi
+  // slopes, sinks (windows and positions are the caller's).
   AttentionOptions attention_options(const Dim& axis) const;
 };
 
 class CausalSelfAttention : public SelfAttention {
  public:
   // Keys and values of the history, {batch..., heads, axis, per-head dim};
-  // axis is dynamic with per-entry history lengths.
+  // axis is dynamic with per-entry history lengths. With a window, only each
+  // entry's last window.left positions: the axis never exceeds that extent.
   struct State {
     Tensor keys, values;
     Dim axis;
   };
 
-  using SelfAttention::SelfAttention;
+  explicit CausalSelfAttention(const AttentionConfig& config);
   // Full sequence: x {..., axis, in_dim}, each position attending to itself and before.
   Tensor operator()(const Tensor& x, const Dim& axis) const;
   // An empty history over `batch` dims.
@@ -69,12 +99,9 @@ class CausalSelfAttention : public SelfAttention {
   // One step: x {batch..., in_dim} without a spatial dim.
   std::pair<Tensor, State> step(const Tensor& x, const State& state) const;
   // A chunk appended to the history: x {batch..., axis, in_dim}; position i of
-  // entry b attends the history and chunk positions <= i.
+  // entry b attends the history and chunk positions <= i (a dynamic axis: the
+  // first lengths[b] positions are entry b's chunk).
   std::pair<Tensor, State> chunk(const Tensor& x, const Dim& axis, const State& state) const;
-
- private:
-  std::pair<Tensor, State> extend(const Tensor& q, const Tensor& k, const Tensor& v, const Dim& axis,
-                                  const State& state, bool causal) const;
 };
 
 class CrossAttention {
@@ -94,6 +121,7 @@ class CrossAttention {
   AttentionConfig config;
   Dim encoder_dim, heads, key_dim_per_head, value_dim_per_head, kv_dim_per_head;
   Linear query, kv, proj;
+  std::optional<Tensor> sinks;  // {heads}, with config.sinks
 };
 
 }  // namespace dimattn

@@ -1,0 +1,297 @@
+"""The attention variants from Python (windows, soft-capping, ALiBi, sinks):
+against the forced reference path and a plain torch implementation, gradcheck
+including the sinks, opcheck, torch.compile, and bad input."""
+import math
+
+import pytest
+import torch
+
+import dimattn as da
+from dimattn._attention import _encode, _out_dims
+from conftest import named
+
+B, H, D, DV = 2, 3, 4, 3
+SLOPES, SINKS = [0.5, 0.25, 0.125], [0.3, -1.0, 2.0]
+
+# Each case as data: self-attention over one dim of T positions, or a query dim
+# of TQ positions against a kv dim of TK; kv lengths per batch entry, causal
+# offsets per entry, and the variants.
+T, TQ, TK = 6, 3, 7
+CASES = {
+    "window_causal_self": dict(self=True, lengths=[6, 4], causal=True, window=(2, None)),
+    "window_two_sided_offset": dict(offset=[2, 0], window=(1, 2)),
+    "window_right_only_lengths": dict(lengths=[7, 3], window=(None, 1)),
+    "softcap": dict(softcap=0.7),
+    "alibi_self": dict(self=True, alibi=True),
+    "alibi_causal_offset": dict(causal=True, offset=[4, 2], alibi=True),
+    "sinks_lengths_empty_entry": dict(lengths=[7, 0], sinks=True),
+    "off_by_one_causal_self": dict(self=True, causal=True, off_by_one=True),
+    "all": dict(causal=True, offset=[4, 2], lengths=[7, 5], window=(3, None), softcap=1.5, alibi=True, sinks=True),
+}
+
+
+class Case:
+    """One case's operands and dot_attention keywords; `plain()` computes it with
+    plain torch."""
+
+    def __init__(self, name, dtype=torch.float32, requires_grad=False):
+        c = self.c = CASES[name]
+        self.batch, self.heads, self.feat, self.vfeat = (da.Dim("batch", B), da.Dim("heads", H), da.Dim("feat", D),
+                                                         da.Dim("vfeat", DV))
+        batch, heads, feat, vfeat = self.batch, self.heads, self.feat, self.vfeat
+        lens = c.get("lengths")
+        if c.get("self"):
+            self.tq = self.kv = (da.Dim.dynamic("time", da.Tensor(torch.tensor(lens), [batch])) if lens
+                                 else da.Dim("time", T))
+            tq_size = tk_size = T
+        else:
+            self.tq = da.Dim("tq", TQ)
+            self.kv = da.Dim.dynamic("kv", da.Tensor(torch.tensor(lens), [batch])) if lens else da.Dim("kv", TK)
+            tq_size, tk_size = TQ, TK
+        self.q = named([batch, heads, (self.tq, tq_size), feat], 1, dtype, requires_grad)
+        self.k = named([batch, heads, (self.kv, tk_size), feat], 2, dtype, requires_grad)
+        self.v = named([batch, heads, (self.kv, tk_size), vfeat], 3, dtype, requires_grad)
+        self.slopes = da.Tensor(torch.tensor(SLOPES, dtype=dtype), [heads]) if c.get("alibi") else None
+        self.sinks = (da.Tensor(torch.tensor(SINKS, dtype=dtype, requires_grad=requires_grad), [heads])
+                      if c.get("sinks") else None)
+        kw = dict(key_dim=feat, axis=self.kv, window=c.get("window"), softcap=c.get("softcap"),
+                  alibi_slopes=self.slopes, sinks=self.sinks, sink_off_by_one=c.get("off_by_one", False))
+        if c.get("causal"):
+            kw["causal_query_spatial_dim"] = self.tq
+        elif c.get("window") or c.get("alibi"):
+            kw["query_position_dim"] = self.tq
+        if c.get("offset"):
+            kw["causal_offset"] = da.Tensor(torch.tensor(c["offset"]), [batch])
+        self.kwargs = kw
+
+    def call(self, q=None, k=None, v=None, sinks=None):
+        """dot_attention, the result as raw [batch, heads, tq, vfeat]; q, k, v and sinks
+        may be raw replacements (for gradcheck)."""
+        kw = dict(self.kwargs)
+        if sinks is not None:
+            kw["sinks"] = da.Tensor(sinks, [self.heads])
+        out = da.dot_attention(self.q if q is None else da.Tensor(q, self.q.dims),
+                               self.k if k is None else da.Tensor(k, self.k.dims),
+                               self.v if v is None else da.Tensor(v, self.v.dims), **kw)
+        return out.raw_in([self.batch, self.heads, self.tq, self.vfeat])
+
+    def plain(self):
+        """The documented semantics in plain torch, in the documented order: scale ->
+        softcap -> ALiBi -> masks (padding, causal, window) -> softmax with the sink."""
+        c = self.c
+        q, k, v = self.q.raw.detach(), self.k.raw.detach(), self.v.raw.detach()
+        e = q @ k.transpose(-1, -2) / math.sqrt(D)
+        if c.get("softcap"):
+            e = c["softcap"] * torch.tanh(e / c["softcap"])
+        i, j = torch.arange(q.shape[2]), torch.arange(k.shape[2])
+        off = torch.tensor(c.get("offset", [0] * B))
+        dist = (i[None, :, None] + off[:, None, None] - j[None, None, :])[:, None]  # i + offset - j, [B, 1, Tq, Tk]
+        if c.get("alibi"):
+            e = e - torch.tensor(SLOPES, dtype=e.dtype)[None, :, None, None] * dist.abs()
+        allowed = torch.ones_like(e, dtype=torch.bool)
+        if c.get("lengths"):
+            allowed = allowed & (j < torch.tensor(c["lengths"])[:, None, None, None])
+        if c.get("causal"):
+            allowed = allowed & (dist >= 0)
+        left, right = c.get("window") or (None, None)
+        if left is not None:
+            allowed = allowed & (dist <= left)
+        if right is not None:
+            allowed = allowed & (dist >= -right)
+        e = e.masked_fill(~allowed, float("-inf"))
+        if c.get("sinks") or c.get("off_by_one"):
+            sink = torch.tensor(SINKS if c.get("sinks") else [0.0] * H, dtype=e.dtype)
+            logits = torch.cat([e, sink[None, :, None, None].expand(*e.shape[:3], 1)], -1)
+            w = torch.softmax(logits, -1)[..., :-1]  # the sink's share carries no value
+        else:
+            w = torch.softmax(e, -1).nan_to_num(0.0)
+        return w @ v
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_agrees_with_reference_path_and_plain_torch(name):
+    case = Case(name)
+    selected = case.call()
+    with da.force("reference"):
+        reference = case.call()
+    assert (selected - reference).abs().max() <= 1e-5
+    assert (reference - case.plain()).abs().max() <= 1e-5
+    # The variant acts: without it the result differs.
+    plain_kwargs = dict(key_dim=case.feat, axis=case.kv)
+    if case.c.get("causal"):
+        plain_kwargs.update(causal_query_spatial_dim=case.tq, causal_offset=case.kwargs.get("causal_offset"))
+    without = da.dot_attention(case.q, case.k, case.v, **plain_kwargs).raw_in(
+        [case.batch, case.heads, case.tq, case.vfeat])
+    assert (selected - without).abs().max() > 1e-3
+
+
+def test_cpu_flash_runs_the_variants():
+    case = Case("all")
+    with da.trace(capture_tensors=False) as t:
+        case.call()
+    assert t.records[0].kernel == "cpu_flash"
+    d = da.explain(case.q, case.k, case.v, **case.kwargs)
+    assert d.kernel == "cpu_flash"
+    with da.force("aten_flash_cpu,reference"):
+        d = da.explain(case.q, case.k, case.v, **case.kwargs)
+    assert d.kernel == "reference" and "window" in {r.kernel: r.reason for r in d.rejected}["aten_flash_cpu"]
+
+
+def test_new_slopes_and_sinks_tensors_are_used_on_repeated_calls():
+    # Eager calls reuse the encoding of a call with the same dims; the tensors
+    # of slopes and sinks are the call's own.
+    case = Case("all")
+    first = case.call()
+    case.kwargs["sinks"] = da.Tensor(torch.tensor([1.0, 0.0, -2.0]), [case.heads])
+    case.kwargs["alibi_slopes"] = da.Tensor(torch.tensor([0.1, 0.2, 0.3]), [case.heads])
+    second = case.call()
+    with da.force("reference"):
+        assert (second - case.call()).abs().max() <= 1e-5
+    assert (first - second).abs().max() > 1e-3
+
+
+def test_trace_energy_is_after_softcap_and_alibi():
+    case = Case("alibi_causal_offset")
+    case.kwargs["softcap"] = 0.7
+    with da.trace() as t:
+        case.call()
+    r = t.records[0]
+    kv = r.energy.dims[-1]
+    energy = r.energy.raw_in([case.batch, case.heads, case.tq, kv])
+    e = 0.7 * torch.tanh(case.q.raw @ case.k.raw.transpose(-1, -2) / math.sqrt(D) / 0.7)
+    dist = (torch.arange(TQ)[None, :, None] + torch.tensor([4, 2])[:, None, None] - torch.arange(TK))[:, None]
+    e = e - torch.tensor(SLOPES)[None, :, None, None] * dist.abs()
+    assert (energy - e).abs().max() <= 1e-5
+
+
+# Every variant through the selected kernel (cpu_flash); the reference path's
+# own backward on the cases with sinks.
+GRAD_CASES = [(name, "auto") for name in ("window_two_sided_offset", "softcap", "alibi_causal_offset",
+                                          "sinks_lengths_empty_entry", "off_by_one_causal_self", "all")]
+GRAD_CASES += [("sinks_lengths_empty_entry", "reference"), ("all", "reference")]
+
+
+@pytest.mark.parametrize("name,kernel", GRAD_CASES)
+def test_gradcheck_float64(name, kernel):
+    case = Case(name, torch.float64, requires_grad=True)
+    inputs = [case.q.raw, case.k.raw, case.v.raw]
+    if case.sinks is not None:
+        inputs.append(case.sinks.raw)  # d(sinks) too
+    with da.force(kernel):
+        assert torch.autograd.gradcheck(lambda *xs: case.call(*xs), tuple(inputs))
+
+
+def test_sinks_gradient_agrees_between_kernels():
+    grads = []
+    for kernel in ("reference", "cpu_flash"):
+        case = Case("all", torch.float64, requires_grad=True)
+        with da.force(kernel):
+            out = case.call()
+        (g,) = torch.autograd.grad(out.sin().sum(), case.sinks.raw)
+        grads.append(g)
+    assert grads[0].abs().max() > 1e-3
+    assert (grads[0] - grads[1]).abs().max() <= 2e-10
+
+
+@pytest.mark.parametrize("name", ["all", "window_causal_self", "off_by_one_causal_self"])
+def test_opcheck(name):
+    case = Case(name, requires_grad=True)
+    kw = dict(case.kwargs)
+    key_dim, axis = kw.pop("key_dim"), kw.pop("axis")
+    causal, offset = kw.pop("causal_query_spatial_dim", None), kw.pop("causal_offset", None)
+    out_dims = _out_dims(case.q, case.k, case.v, key_dim, axis)
+    spec, aux = _encode(case.q, case.k, case.v, key_dim, axis, 0.0, False, causal, offset, None, False, out_dims, **kw)
+    if case.sinks is not None:
+        assert any(t is case.sinks.raw for t in aux)
+    torch.library.opcheck(torch.ops.dimattn.dot_attention.default, (case.q.raw, case.k.raw, case.v.raw, aux, spec))
+
+
+class SinkLayer(torch.nn.Module):
+    """A GPT-OSS style layer: learnable per-head sinks and a sliding window."""
+
+    def __init__(self, batch, heads, time, feat):
+        super().__init__()
+        self.batch, self.heads, self.time, self.feat = batch, heads, time, feat
+        self.sinks = torch.nn.Parameter(torch.tensor(SINKS, dtype=torch.float64))
+
+    def forward(self, q, k, v):
+        vfeat = da.Dim("vfeat", v.shape[-1])
+        dims = [self.batch, self.heads, self.time, self.feat]
+        out = da.dot_attention(da.Tensor(q, dims), da.Tensor(k, dims),
+                               da.Tensor(v, [self.batch, self.heads, self.time, vfeat]), key_dim=self.feat,
+                               axis=self.time, causal_query_spatial_dim=self.time, window=(2, None),
+                               sinks=da.Tensor(self.sinks, [self.heads]))
+        return out.raw_in([self.batch, self.heads, self.time, vfeat]).tanh()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_window_and_sinks(backend):
+    batch, heads, time, feat = da.Dim("batch", B), da.Dim("heads", H), da.Dim("time", T), da.Dim("feat", D)
+    layer = SinkLayer(batch, heads, time, feat)
+    q, k, v = (named([batch, heads, time, feat], s, torch.float64, True).raw for s in (1, 2, 3))
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(layer)(q, k, v)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    outs, grads = [], []
+    for m in (layer, compiled):
+        out = m(q, k, v)
+        grads.append(torch.autograd.grad(out.sum(), (q, k, v, layer.sinks)))
+        outs.append(out)
+    assert (outs[0] - outs[1]).abs().max() <= 1e-12
+    assert grads[0][3].abs().max() > 1e-3  # the sinks learn
+    for a, b in zip(*grads):
+        assert (a - b).abs().max() <= 1e-12
+
+
+def test_bad_variant_input_names_the_option():
+    case = Case("window_causal_self")
+    kw = dict(case.kwargs)
+
+    def call(**change):
+        return da.dot_attention(case.q, case.k, case.v, **{**kw, **change})
+
+    with pytest.raises(da.Error, match=r"\[dot_attention\] window.left must be >= 0 kv positions, got -1"):
+        call(window=(-1, None))
+    with pytest.raises(da.Error, match=r"window.right must be >= 0 kv positions, got -2"):
+        call(window=(2, -2), causal_query_spatial_dim=None, query_position_dim=case.tq)
+    with pytest.raises(da.Error, match=r"window.right is 1 but causal attention"):
+        call(window=(2, 1))
+    with pytest.raises(da.Error, match=r"window has neither left nor right set"):
+        call(window=(None, None))
+    with pytest.raises(da.Error, match=r"window must be a pair \(left, right\)"):
+        call(window=3)
+    with pytest.raises(da.Error, match=r"window must be a pair"):
+        call(window=(1.5, None))
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(da.Error, match=r"\[dot_attention\] softcap must be finite and > 0"):
+            call(softcap=bad)
+    with pytest.raises(da.Error, match=r"softcap must be a number"):
+        call(softcap="1")
+    with pytest.raises(da.Error, match=r"sinks must be a dimattn.Tensor"):
+        call(sinks=torch.zeros(H))
+    with pytest.raises(da.Error, match=r"alibi_slopes must be a dimattn.Tensor"):
+        call(alibi_slopes=[0.5, 0.25, 0.125])
+    with pytest.raises(da.Error, match=r"alibi_slopes require grad"):
+        call(alibi_slopes=da.Tensor(torch.ones(H, requires_grad=True), [case.heads]))
+    with pytest.raises(da.Error, match=r"sinks and sink_off_by_one are both set"):
+        call(sinks=da.Tensor(torch.zeros(H), [case.heads]), sink_off_by_one=True)
+    with pytest.raises(da.Error, match=r"sinks .* has dim time.* which is not a batch dim"):
+        call(sinks=named([(case.tq, T)], 4))
+    with pytest.raises(da.Error, match=r"a window measures distance along the query's positional dim"):
+        call(causal_query_spatial_dim=None)
+    with pytest.raises(da.Error, match=r"window.left must be >= 0"):
+        da.explain(case.q, case.k, case.v, **{**kw, "window": (-1, None)})
+
+
+def test_sinks_alone_or_without_gradient():
+    # Only the sinks learn (a frozen model): the op still records autograd.
+    case = Case("all", torch.float64)
+    case.sinks.raw.requires_grad_(True)
+    (g,) = torch.autograd.grad(case.call().sum(), case.sinks.raw)
+    assert g.abs().max() > 1e-3
+    # Fixed sinks, a learning query: no gradient is asked of the sinks.
+    case = Case("all", torch.float64)
+    case.q.raw.requires_grad_(True)
+    (g,) = torch.autograd.grad(case.call().sum(), case.q.raw)
+    assert g.shape == case.q.raw.shape and case.sinks.raw.grad is None
