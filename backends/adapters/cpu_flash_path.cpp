@@ -72,12 +72,12 @@ FlashGrads flash_backward(Backend& be, const AttentionCall& c, const FlashLayout
   const HostView dq = host(be, g.q), dk = host(be, g.k), dv = host(be, g.v);
   FlashParams pr;
   flash_params(pr, c, l, q, k, v);
-  const ScoreOperands so = score_operands(be, c, pr, host_memory(be));
+  const bool want_dbias = c.bias && (!be.has_autograd() || c.bias->requires_grad());
+  const ScoreOperands so = score_operands(be, c, pr, host_memory(be), want_dbias);
   set_forward_outputs(pr.p, out, lse);
   set_backward_tensors(pr.p, d, dq, dk, dv);
   RawPtr dbias;
-  if (c.bias && (!be.has_autograd() || c.bias->requires_grad()))
-    dbias = bias_gradient_buffer(be, pr, c, host_memory(be), kCPU);
+  if (want_dbias) dbias = bias_gradient_buffer(be, pr, c, host_memory(be), kCPU);
   run_kernel([&] { kernels::flash_attention_backward_cpu(pr.p, pf); });
   return {g, std::move(pr.dsinks), dbias};
 }

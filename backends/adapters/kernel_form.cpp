@@ -215,19 +215,21 @@ void plane_offsets(const AttentionCall& c, const Tensor& t, const HostView& v, s
 
 }  // namespace
 
-ScoreOperands score_operands(Backend& be, const AttentionCall& c, FlashParams& pr, const MemoryView& mem) {
+ScoreOperands score_operands(Backend& be, const AttentionCall& c, FlashParams& pr, const MemoryView& mem,
+                             bool dense_bias) {
   ScoreOperands s;
   kernels::AttentionKernelParams& p = pr.p;
   if (c.bias) {
     const DType acc = accumulation_dtype(c);
-    s.bias = be.contiguous(c.bias->dtype() == acc ? c.bias->raw() : be.cast(c.bias->raw(), acc));
+    s.bias = c.bias->dtype() == acc ? c.bias->raw() : be.cast(c.bias->raw(), acc);
+    if (dense_bias) s.bias = be.contiguous(s.bias);
     const HostView v = mem(s.bias);
     plane_offsets(c, *c.bias, v, pr.bias_offsets, p.bias_row_stride, p.bias_col_stride);
     p.bias = v.data;
     p.bias_offsets = pr.bias_offsets.data();
   }
   if (c.mask) {
-    s.mask = be.contiguous(c.mask->raw());
+    s.mask = c.mask->raw();
     const HostView v = mem(s.mask);
     plane_offsets(c, *c.mask, v, pr.mask_offsets, p.mask_row_stride, p.mask_col_stride);
     p.mask = static_cast<const uint8_t*>(v.data);

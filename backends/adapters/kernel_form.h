@@ -117,8 +117,9 @@ Dims per_head_dims(const AttentionCall& c);
 // over the sinks' dims on `be` (dtype and device of the sinks).
 Tensor sinks_gradient(Backend& be, const AttentionCall& c, const std::vector<double>& dsinks);
 // The call's bias and mask as the kernels read them: the bias in the
-// accumulation type, the mask as bytes, each contiguous over its own dims
-// (views when they are so already: never expanded over the dims they lack).
+// accumulation type, the mask as bytes, each with its own strides (a
+// broadcast view stays one: never expanded over the dims it lacks), the bias
+// made contiguous when `dense_bias` (d(bias) is laid out as it).
 // Points pr.p at their memory (`mem`: host or device, as the kernel reads
 // it), with per-(b, h) plane offsets in pr and row and column strides, 0
 // where they lack a dim. The result keeps the memory alive; null members
@@ -126,8 +127,9 @@ Tensor sinks_gradient(Backend& be, const AttentionCall& c, const std::vector<dou
 struct ScoreOperands {
   RawPtr bias, mask;
 };
-ScoreOperands score_operands(Backend& be, const AttentionCall& c, FlashParams& pr, const MemoryView& mem);
-// d(bias) for the kernel to write: zeros laid out as score_operands' bias,
+ScoreOperands score_operands(Backend& be, const AttentionCall& c, FlashParams& pr, const MemoryView& mem,
+                             bool dense_bias = false);
+// d(bias) for the kernel to write: zeros laid out as score_operands' dense bias,
 // on `device`; p.dbias points at it (and p.dbias_shared says whether bias
 // elements are shared by several (b, h, i, j)). pre: score_operands ran.
 RawPtr bias_gradient_buffer(Backend& be, FlashParams& pr, const AttentionCall& c, const MemoryView& mem,

@@ -131,10 +131,11 @@ class CudaFlashFunction : public torch::autograd::Function<CudaFlashFunction> {
     const at::Tensor dout = kernel_readable(grads[0]);
     detail::FlashParams pr;
     detail::flash_params(pr, info->call, info->layout, memory_of(q), memory_of(k), memory_of(v));
-    const detail::ScoreOperands so = detail::score_operands(*info->be, info->call, pr, memory_of_raw);
     const AttentionCall& call = info->call;
+    const bool want_dbias = call.bias && call.bias->requires_grad();
+    const detail::ScoreOperands so = detail::score_operands(*info->be, call, pr, memory_of_raw, want_dbias);
     RawPtr dbias;
-    if (call.bias && call.bias->requires_grad())
+    if (want_dbias)
       dbias = detail::bias_gradient_buffer(*info->be, pr, call, memory_of_raw, call.query.device());
     detail::set_forward_outputs(pr.p, memory_of(out), memory_of(lse));
     const at::Tensor dq = empty_on(q.sizes(), q.scalar_type(), q.device());

@@ -264,6 +264,27 @@ TEST_P(AttentionVariants, MaskedRowIsZeroAndBiasOfMinusInfinityMasksAlike) {
   EXPECT_EQ(ran, 2);
 }
 
+// A bias given as a broadcast view (stride 0 over heads) and one over the
+// same values in another dim order are read as they are, with the same result.
+TEST_P(AttentionVariants, BroadcastAndPermutedBiasGiveTheSameResult) {
+  const Variant var{.name = "bias", .bias = true};
+  Call c(var, DType::float32, GetParam());
+  const Tensor plane = random_normal({c.tq, c.tk}, 21, {.backend = GetParam()});
+  AttentionOptions broadcast = c.opts, permuted = c.opts, plain = c.opts;
+  broadcast.bias = expand_dim(plane, c.heads);
+  permuted.bias = copy_transpose(plane, {c.tk, c.tq});
+  plain.bias = plane;
+  int ran = 0;
+  for (const char* kernel : {"reference", "cpu_flash"}) {
+    ForceKernels force(kernel);
+    const Tensor want = dot_attention(c.q, c.k, c.v, plain);
+    EXPECT_LT(max_abs_diff(dot_attention(c.q, c.k, c.v, broadcast), want, want.dims()), 1e-6) << kernel;
+    EXPECT_LT(max_abs_diff(dot_attention(c.q, c.k, c.v, permuted), want, want.dims()), 1e-6) << kernel;
+    ++ran;
+  }
+  EXPECT_EQ(ran, 2);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, AttentionVariants, ::testing::ValuesIn(backend_names()),
                          testing::backend_param_name);
 
