@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <map>
 #include <cstdlib>
 #include <mutex>
 #include <optional>
@@ -49,6 +50,15 @@ std::string KernelForce::describe() const {
 
 KernelForce parse_kernel_force(const std::string& spec) {
   if (spec.empty() || spec == "auto") return {};
+  // Parsed specs are kept (a program uses a few; a forcing scope per call,
+  // as the Python op opens, would otherwise list every backend's kernels
+  // each time). Only valid specs are kept: an unknown name stays an error.
+  static std::mutex mu;
+  static std::map<std::string, KernelForce, std::less<>> parsed;
+  {
+    std::lock_guard lock(mu);
+    if (const auto it = parsed.find(spec); it != parsed.end()) return it->second;
+  }
   KernelForce f{false, {}};
   std::stringstream ss(spec);
   std::string name;
@@ -61,6 +71,8 @@ KernelForce parse_kernel_force(const std::string& spec) {
     f.kernels.push_back(name);
   }
   DIMATTN_CHECK(!f.kernels.empty(), "DIMATTN_SDPA", "no kernel named in '", spec, "'");
+  std::lock_guard lock(mu);
+  if (parsed.size() < 64) parsed.emplace(spec, f);
   return f;
 }
 
