@@ -1,6 +1,8 @@
 #include "dimattn/modules.h"
 
+#include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "dimattn/error.h"
 #include "dimattn/internal/check.h"
@@ -65,7 +67,88 @@ void check_window(const char* module, const AttentionConfig& c, bool causal) {
                 " but causal attention sees no position after the query; set window.left only");
 }
 
+// The check of RelativePositionBuckets; `n` = buckets per direction.
+int64_t buckets_per_direction(const char* op, const RelativePositionBuckets& b, bool bidirectional) {
+  if (bidirectional)
+    DIMATTN_CHECK(b.num_buckets >= 4 && b.num_buckets % 2 == 0, op, "num_buckets must be even and >= 4 for ",
+                  "bidirectional buckets (half per direction), got ", b.num_buckets);
+  else
+    DIMATTN_CHECK(b.num_buckets >= 2, op, "num_buckets must be >= 2 for causal buckets, got ", b.num_buckets);
+  const int64_t n = bidirectional ? b.num_buckets / 2 : b.num_buckets;
+  DIMATTN_CHECK(b.max_distance > n / 2, op, "max_distance must be > ", n / 2, ", the distances with an exact ",
+                "bucket (the log-spaced buckets lie between the two), got ", b.max_distance);
+  return n;
+}
+
+// bucket(r) for r in [-max_distance, max_distance] (index r + max_distance):
+// every distance beyond max_distance shares the bucket of max_distance.
+std::vector<double> bucket_table(const RelativePositionBuckets& b, bool bidirectional) {
+  std::vector<double> t;
+  for (int64_t r = -b.max_distance; r <= b.max_distance; ++r)
+    t.push_back(static_cast<double>(relative_position_bucket(r, b, bidirectional)));
+  return t;
+}
+
+// A dim with axis's extent (and lengths, if dynamic), for the keys and
+// values of self-attention.
+Dim twin_of(const Dim& axis, const std::string& name) {
+  return axis.is_dynamic() ? Dim::dynamic(name, axis.lengths(), axis.extent()) : Dim(name, axis.extent());
+}
+
 }  // namespace
+
+int64_t relative_position_bucket(int64_t relative, const RelativePositionBuckets& b, bool bidirectional) {
+  const int64_t n = buckets_per_direction("relative_position_bucket", b, bidirectional);
+  int64_t first = 0, distance = 0;
+  if (bidirectional) {
+    first = relative > 0 ? n : 0;
+    distance = relative < 0 ? -relative : relative;
+  } else {
+    distance = std::max<int64_t>(-relative, 0);
+  }
+  const int64_t exact = n / 2;
+  if (distance < exact) return first + distance;
+  // The n - exact log-spaced buckets split [exact, max_distance) evenly in
+  // log(distance). The nudge puts a distance on a boundary (exact *
+  // (max_distance / exact)^(k / (n - exact))) into the upper bucket, which
+  // rounding in log() could miss.
+  const double k = std::log(static_cast<double>(distance) / static_cast<double>(exact)) /
+                   std::log(static_cast<double>(b.max_distance) / static_cast<double>(exact)) *
+                   static_cast<double>(n - exact);
+  return first + std::min(exact + static_cast<int64_t>(std::floor(k + 1e-9)), n - 1);
+}
+
+RelativePositionBias::RelativePositionBias(Dim h, const RelativePositionBuckets& b, bool bidi, uint64_t seed,
+                                           const TensorOptions& opts)
+    : heads(std::move(h)),
+      buckets("buckets", buckets_per_direction("RelativePositionBias", b, bidi) * (bidi ? 2 : 1)),
+      config(b),
+      bidirectional(bidi),
+      table(init_uniform({buckets, heads}, 1, seed, opts)) {}
+
+Tensor RelativePositionBias::operator()(const Dim& query_dim, const Dim& kv_dim,
+                                        const std::optional<Tensor>& query_offset) const {
+  DIMATTN_CHECK(query_dim != kv_dim, "RelativePositionBias", "query and kv positions are one dim ",
+                query_dim.repr(), "; give keys and values a kv dim of their own");
+  const TensorOptions int_opts = detail::options_like(table, DType::int64);
+  // kv position j relative to query row i: j - (i + offset), clamped to
+  // [-max_distance, max_distance], where the buckets end.
+  Tensor relative = add(neg(range_over_dim(query_dim, int_opts)), range_over_dim(kv_dim, int_opts));
+  if (query_offset) {
+    const DType t = query_offset->dtype();
+    DIMATTN_CHECK(t == DType::int32 || t == DType::int64, "RelativePositionBias", "query_offset must be an int32 or ",
+                  "int64 tensor, got ", query_offset->repr());
+    relative = sub(relative, cast(*query_offset, DType::int64));
+  }
+  const double reach = static_cast<double>(config.max_distance);
+  relative = minimum(maximum(relative, full({}, -reach, int_opts)), full({}, reach, int_opts));
+  Dim offsets("relative_position", 2 * config.max_distance + 1);
+  const Tensor bucket_of = from_host({offsets}, bucket_table(config, bidirectional), int_opts);
+  const Tensor bucket = gather(bucket_of, offsets, add(relative, reach));
+  // A one-hot over buckets times the table: matmul's gradient reaches the table.
+  const Tensor one_hot = cast(compare(bucket, Compare::eq, range_over_dim(buckets, int_opts)), table.dtype());
+  return matmul(table, one_hot, {buckets});
+}
 
 Linear::Linear(Dim in, Dim out, uint64_t seed, const TensorOptions& opts, bool with_bias)
     : in_dim(in), out_dim(out), weight(init_uniform({in, out}, in.extent(), seed, opts)) {
@@ -91,6 +174,7 @@ SelfAttention::SelfAttention(const AttentionConfig& c, const char* module, bool 
   check_window(module, c, causal);
   if (c.sinks) sinks = init_uniform({heads}, 1, c.seed + 6, c.opts);
   if (c.alibi) alibi_slopes = from_host({heads}, standard_alibi_slopes(c.num_heads), c.opts);
+  if (c.relative_position) relative_position_bias.emplace(heads, *c.relative_position, !causal, c.seed + 7, c.opts);
 }
 
 std::vector<double> standard_alibi_slopes(int64_t num_heads) {
@@ -126,12 +210,27 @@ AttentionOptions SelfAttention::attention_options(const Dim& axis) const {
           .sink_off_by_one = config.sink_off_by_one};
 }
 
+void SelfAttention::add_relative_position_bias(AttentionOptions& o, Tensor& keys, Tensor& values,
+                                               const Dim& query_dim, const std::optional<Tensor>& offset) const {
+  if (!relative_position_bias) return;
+  DIMATTN_CHECK(relative_position_bias->heads == heads, "SelfAttention", "relative_position_bias has heads ",
+                relative_position_bias->heads.repr(), ", not the module's ", heads.repr());
+  if (o.axis == query_dim) {
+    const Dim kv = twin_of(query_dim, query_dim.name() + "_kv");
+    keys = replace_dim(keys, query_dim, kv);
+    values = replace_dim(values, query_dim, kv);
+    o.axis = kv;
+  }
+  o.bias = (*relative_position_bias)(query_dim, o.axis, offset);
+}
+
 Tensor SelfAttention::operator()(const Tensor& x, const Dim& axis) const {
   auto [q, k, v] = project_qkv(x);
   AttentionOptions o = attention_options(axis);
   // Self-attention: the query's positions are `axis` (the kv side is relabelled).
   if (config.window || config.alibi) o.query_position_dim = axis;
   o.window = config.window;
+  add_relative_position_bias(o, k, v, axis);
   return merge_heads(dot_attention(q, k, v, o));
 }
 
@@ -142,6 +241,7 @@ Tensor CausalSelfAttention::operator()(const Tensor& x, const Dim& axis) const {
   AttentionOptions o = attention_options(axis);
   o.causal_query_spatial_dim = axis;
   o.window = config.window;
+  add_relative_position_bias(o, k, v, axis);
   return merge_heads(dot_attention(q, k, v, o));
 }
 
@@ -174,6 +274,8 @@ std::pair<Tensor, CausalSelfAttention::State> CausalSelfAttention::chunk(const T
   // holds; a windowed state holds only the window, which is all row i sees.
   o.causal_offset = state.axis.lengths();
   o.window = config.window;
+  // The chunk's rows sit after the history: the same offset places them.
+  add_relative_position_bias(o, k_all, v_all, axis, o.causal_offset);
   Tensor y = merge_heads(dot_attention(q, k_all, v_all, o));
   if (config.window && config.window->left)
     std::tie(k_all, v_all, kv_axis) = keep_last(k_all, v_all, kv_axis, *config.window->left);
@@ -190,9 +292,10 @@ CrossAttention::CrossAttention(const AttentionConfig& c, Dim enc)
       query(c.in_dim, c.key_dim_total, c.seed, c.opts),
       kv(enc, heads * kv_dim_per_head, c.seed + 4, c.opts),
       proj(c.value_dim_total, c.proj_dim, c.seed + 2, c.opts) {
-  DIMATTN_CHECK(!c.window && !c.alibi, "CrossAttention", c.window ? "a window" : "ALiBi",
+  DIMATTN_CHECK(!c.window && !c.alibi && !c.relative_position, "CrossAttention",
+                c.window ? "a window" : c.alibi ? "ALiBi" : "a relative position bias",
                 " measures the distance between query and key positions, which cross-attention does not relate ",
-                "(decoder vs encoder); leave window and alibi unset");
+                "(decoder vs encoder); leave window, alibi and relative_position unset");
   if (c.sinks) sinks = init_uniform({heads}, 1, c.seed + 6, c.opts);
 }
 

@@ -1,7 +1,9 @@
 // Attention modules: the three modes of CausalSelfAttention agree (with a
 // window too, whose step and chunk states stay bounded), cross attention with
 // a beam never tiles the encoder, the fused qkv weight is head-major, the
-// variants reach dot_attention as a manual call passes them, sinks learn.
+// variants reach dot_attention as a manual call passes them, sinks learn; T5's
+// relative position buckets, the bias module (its table learns) and the
+// modules that use it.
 #include <cmath>
 
 #include "dimattn/modules.h"
@@ -338,6 +340,13 @@ TEST_P(Modules, WindowedCausalStepsAndChunksEqualTheFullSequence) {
          c.softcap = 0.8; c.alibi = true; c.sinks = true;
        }},
       {"alibi_off_by_one", true, [](AttentionConfig& c) { c.alibi = true; c.sink_off_by_one = true; }},
+      // Distances up to 8 beyond max_distance 6: the clamp acts too.
+      {"relative_position", true, [](AttentionConfig& c) { c.relative_position = RelativePositionBuckets{8, 6}; }},
+      {"window3_relative_position_sinks", true,
+       [](AttentionConfig& c) {
+         c.window = AttentionWindow{3, std::nullopt};
+         c.relative_position = RelativePositionBuckets{8, 6}; c.sinks = true;
+       }},
   };
   Dim batch("batch", 2), in("in", 6), out("out", 5);
   const std::vector<int> lens = {9, 6};
@@ -381,7 +390,7 @@ TEST_P(Modules, WindowedCausalStepsAndChunksEqualTheFullSequence) {
     EXPECT_EQ(chunkings, 5);
     ++ran;
   }
-  EXPECT_EQ(ran, 4);
+  EXPECT_EQ(ran, 6);
 }
 
 TEST_P(Modules, WindowedStateStaysBoundedOverManySteps) {
@@ -415,52 +424,219 @@ TEST_P(Modules, WindowedStateStaysBoundedOverManySteps) {
   EXPECT_EQ(chunks, 6);
 }
 
-// The sinks parameter learns: its gradient through the module (torch's
-// autograd) against central differences of the loss, in float64.
-TEST_P(Modules, SinksGetAGradient) {
-  if (GetParam() != "torch") GTEST_SKIP() << "gradients through autograd are the torch backend's";
+// A parameter learns: its gradient through the module (torch's autograd)
+// against central differences of a loss over the output, in float64, for
+// SelfAttention (causal false) and CausalSelfAttention made from four_heads
+// and `set`. `param` picks the parameter. Returns per module the number of
+// the parameter's entries with a gradient (|g| > 1e-6).
+std::vector<int> check_parameter_gradient(void (*set)(AttentionConfig&, bool causal),
+                                          Tensor& (*param)(SelfAttention&), const std::vector<double>& lens) {
   const TensorOptions o{.dtype = DType::float64, .backend = "torch"};
   Dim batch("batch", 2), in("in", 6), out("out", 5);
-  Dim time = Dim::dynamic("time", from_host({batch}, {5, 3}, {.dtype = DType::int64, .backend = "torch"}));
+  Dim time = Dim::dynamic("time", from_host({batch}, lens, {.dtype = DType::int64, .backend = "torch"}));
   const Tensor x = random_normal({batch, time, in}, 3, o);
   const Tensor w = random_normal({batch, time, out}, 4, o);
-  int ran = 0;
+  std::vector<int> learning;
   for (bool causal : {false, true}) {
     SCOPED_TRACE(causal ? "causal" : "full");
     AttentionConfig c = four_heads(in, out, o);
-    c.sinks = true;
-    c.window = AttentionWindow{2, causal ? std::nullopt : std::optional<int64_t>(1)};
+    set(c, causal);
     std::optional<CausalSelfAttention> causal_att;
     std::optional<SelfAttention> full_att;
     if (causal)
       causal_att.emplace(c);
     else
       full_att.emplace(c);
-    SelfAttention& att = causal ? static_cast<SelfAttention&>(*causal_att) : *full_att;
+    Tensor& p = param(causal ? static_cast<SelfAttention&>(*causal_att) : *full_att);
     auto loss = [&] {
       const Tensor y = causal ? (*causal_att)(x, time) : (*full_att)(x, time);
       return reduce_sum(mul(y, w), {batch, time, out});
     };
-    const std::vector<double> s0 = to_host(*att.sinks);
-    att.sinks->requires_grad(true);
+    const Dims dims = p.dims();
+    const std::vector<double> p0 = to_host(p);
+    p.requires_grad(true);
     loss().backward();
-    ASSERT_TRUE(att.sinks->grad().has_value()) << "no gradient reached the sinks";
-    const std::vector<double> grad = to_host(*att.sinks->grad());
+    EXPECT_TRUE(p.grad().has_value()) << "no gradient reached the parameter";
+    if (!p.grad()) return {};
+    const std::vector<double> grad = to_host(*p.grad(), dims);
     const double eps = 1e-6;
-    for (size_t h = 0; h < s0.size(); ++h) {
+    int nonzero = 0;
+    for (size_t e = 0; e < p0.size(); ++e) {
       auto at_value = [&](double value) {
-        std::vector<double> s = s0;
-        s[h] = value;
-        att.sinks = from_host({att.heads}, s, o);
+        std::vector<double> changed = p0;
+        changed[e] = value;
+        p = from_host(dims, changed, o);
         return item(loss());
       };
-      const double numeric = (at_value(s0[h] + eps) - at_value(s0[h] - eps)) / (2 * eps);
-      EXPECT_NEAR(grad[h], numeric, 1e-6) << "head " << h;
-      EXPECT_GT(std::abs(grad[h]), 1e-6) << "head " << h;
+      const double numeric = (at_value(p0[e] + eps) - at_value(p0[e] - eps)) / (2 * eps);
+      EXPECT_NEAR(grad[e], numeric, 1e-6) << "entry " << e << " of " << repr(dims);
+      nonzero += std::abs(grad[e]) > 1e-6;
     }
+    learning.push_back(nonzero);
+  }
+  return learning;
+}
+
+TEST_P(Modules, SinksGetAGradient) {
+  if (GetParam() != "torch") GTEST_SKIP() << "gradients through autograd are the torch backend's";
+  const std::vector<int> learning = check_parameter_gradient(
+      [](AttentionConfig& c, bool causal) {
+        c.sinks = true;
+        c.window = AttentionWindow{2, causal ? std::nullopt : std::optional<int64_t>(1)};
+      },
+      [](SelfAttention& att) -> Tensor& { return *att.sinks; }, {5, 3});
+  EXPECT_EQ(learning, (std::vector<int>{4, 4}));  // every head's sink, both modules
+}
+
+// --- T5 relative position bias ---
+
+// Hand-computed from the bucketing's definition. Bidirectional, 32 buckets,
+// max_distance 128: 16 per direction, distances 0..7 exact, then 8 log-spaced
+// buckets over [8, 128) with lower bounds 8 * 16^(k/8) = 8 * 2^(k/2): 8,
+// 11.3, 16, 22.6, 32, 45.3, 64, 90.5 (bucket 8 + k), 128 and beyond in 15;
+// kv positions after the query from bucket 16 on. Causal, 32 buckets,
+// max_distance 128: 16 exact, 16 log-spaced over [16, 128), lower bounds
+// 16 * 8^(k/16) = 16 * 2^(3k/16): 18.3, 20.7, 23.6, 26.9, 30.4 (k = 5: bucket
+// 21), .., 58.7 (k = 10: bucket 26); kv positions after the query in bucket 0.
+TEST(ModuleVariants, RelativePositionBuckets) {
+  struct Case {
+    int64_t relative, want;
+  };
+  const RelativePositionBuckets t5{32, 128};
+  const std::vector<Case> bidirectional = {
+      {0, 0},   {-1, 1},   {-7, 7},   {-8, 8},   {-11, 8},   {-12, 9},   {-15, 9},   {-16, 10},  {-22, 10},
+      {-23, 11}, {-31, 11}, {-32, 12}, {-45, 12}, {-46, 13},  {-63, 13},  {-64, 14},  {-90, 14},  {-91, 15},
+      {-127, 15}, {-128, 15}, {-5000, 15}, {1, 17}, {7, 23}, {8, 24}, {12, 25}, {16, 26}, {127, 31}, {200, 31}};
+  const std::vector<Case> causal = {{5, 0},    {1, 0},    {0, 0},    {-1, 1},   {-15, 15},  {-16, 16},  {-18, 16},
+                                    {-19, 17}, {-20, 17}, {-21, 18}, {-23, 18}, {-24, 19},  {-30, 20},  {-31, 21},
+                                    {-32, 21}, {-58, 25}, {-59, 26}, {-64, 26}, {-127, 31}, {-128, 31}, {-1000, 31}};
+  // Small: 4 buckets both ways, max_distance 2: per direction bucket 0
+  // (distance 0), then one log bucket for everything else.
+  const std::vector<Case> small = {{0, 0}, {-1, 1}, {-2, 1}, {-9, 1}, {1, 3}, {2, 3}, {9, 3}};
+  int ran = 0;
+  for (const auto& [cases, buckets, bidi] :
+       {std::tuple{&bidirectional, t5, true}, std::tuple{&causal, t5, false},
+        std::tuple{&small, RelativePositionBuckets{4, 2}, true}}) {
+    for (const Case& c : *cases) {
+      EXPECT_EQ(relative_position_bucket(c.relative, buckets, bidi), c.want)
+          << "relative " << c.relative << (bidi ? " bidirectional" : " causal") << " " << buckets.num_buckets;
+      ++ran;
+    }
+  }
+  EXPECT_EQ(ran, 56);
+  expect_error([] { relative_position_bucket(0, {31, 128}, true); }, "relative_position_bucket",
+               {"num_buckets must be even and >= 4", "31"});
+  expect_error([] { relative_position_bucket(0, {1, 128}, false); }, "relative_position_bucket",
+               {"num_buckets must be >= 2", "1"});
+  expect_error([] { relative_position_bucket(0, {32, 8}, true); }, "relative_position_bucket",
+               {"max_distance must be > 8", "got 8"});
+  expect_error([] { RelativePositionBias(Dim("heads", 2), {6, 1}, false, 0); }, "RelativePositionBias",
+               {"max_distance"});
+}
+
+// The bias of `rpb` written out on the host: (h, i, j) = table[bucket(j - i
+// - offset[b]), h], in the order {batch, heads, query, kv}.
+std::vector<double> host_bias(const RelativePositionBias& rpb, int64_t batch, int64_t tq, int64_t tk,
+                              const std::vector<int64_t>& offsets) {
+  const int64_t H = rpb.heads.extent();
+  const std::vector<double> table = to_host(rpb.table, Dims{rpb.buckets, rpb.heads});
+  std::vector<double> out;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < tq; ++i)
+        for (int64_t j = 0; j < tk; ++j)
+          out.push_back(table[relative_position_bucket(j - i - offsets.at(b), rpb.config, rpb.bidirectional) * H + h]);
+  return out;
+}
+
+TEST_P(Modules, RelativePositionBiasIsTheGatheredTable) {
+  Dim batch("batch", 2), heads("heads", 3), chunk("chunk", 4), kv("kv", 9);
+  const std::vector<int64_t> offsets = {5, 0};
+  int ran = 0;
+  for (bool bidi : {true, false}) {
+    SCOPED_TRACE(bidi ? "bidirectional" : "causal");
+    const RelativePositionBias rpb(heads, {8, 6}, bidi, 11, opts());
+    const Tensor offset = from_host({batch}, {5, 0}, {.dtype = DType::int64, .backend = GetParam()});
+    const Tensor got = rpb(chunk, kv, offset);
+    EXPECT_TRUE(same_dims(got.dims(), {heads, chunk, kv, batch})) << repr(got.dims());
+    EXPECT_EQ(to_host(got, Dims{batch, heads, chunk, kv}), host_bias(rpb, 2, 4, 9, offsets));
+    const Tensor plain = rpb(chunk, kv);
+    EXPECT_TRUE(same_dims(plain.dims(), {heads, chunk, kv}));
+    EXPECT_EQ(to_host(plain, Dims{heads, chunk, kv}), host_bias(rpb, 1, 4, 9, {0}));
     ++ran;
   }
   EXPECT_EQ(ran, 2);
+  const RelativePositionBias rpb(heads, {8, 6}, true, 11, opts());
+  expect_error([&] { rpb(kv, kv); }, "RelativePositionBias", {"one dim kv[9]", "a kv dim of their own"});
+  // Deterministic from the seed.
+  EXPECT_EQ(to_host(rpb.table), to_host(RelativePositionBias(heads, {8, 6}, true, 11, opts()).table));
+  EXPECT_NE(to_host(rpb.table), to_host(RelativePositionBias(heads, {8, 6}, true, 12, opts()).table));
+}
+
+TEST_P(Modules, RelativePositionBiasEqualsAManualDotAttentionCall) {
+  Dim batch("batch", 2), in("in", 6), out("out", 5);
+  const std::vector<double> lens = {7, 4};
+  Dim time = Dim::dynamic("time", lengths(batch, lens));
+  const Tensor x = random_normal({batch, time, in}, 3, opts());
+  int ran = 0;
+  for (bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "full");
+    AttentionConfig c = four_heads(in, out, opts());
+    c.relative_position = RelativePositionBuckets{8, 5};
+    std::optional<Open<CausalSelfAttention>> causal_att;
+    std::optional<Open<SelfAttention>> full_att;
+    if (causal)
+      causal_att.emplace(c);
+    else
+      full_att.emplace(c);
+    const SelfAttention& att = causal ? static_cast<const SelfAttention&>(*causal_att) : *full_att;
+    ASSERT_TRUE(att.relative_position_bias.has_value());
+    EXPECT_EQ(att.relative_position_bias->bidirectional, !causal);
+    EXPECT_EQ(att.relative_position_bias->buckets.extent(), 8);
+    const Tensor got = causal ? (*causal_att)(x, time) : (*full_att)(x, time);
+
+    // By hand: keys and values on a kv dim of their own, the bias from the
+    // host over {heads, time, kv}.
+    auto [q, k, v] = causal ? causal_att->project_qkv(x) : full_att->project_qkv(x);
+    Dim kv = Dim::dynamic("kv", time.lengths(), time.extent());
+    const Tensor bias = from_host({att.heads, time, kv}, host_bias(*att.relative_position_bias, 1, 7, 7, {0}), opts());
+    AttentionOptions o{.key_dim = att.key_dim_per_head, .axis = kv, .bias = bias};
+    if (causal) o.causal_query_spatial_dim = time;
+    const Tensor att_out = dot_attention(q, replace_dim(k, time, kv), replace_dim(v, time, kv), o);
+    const Tensor want = causal ? causal_att->merge_heads(att_out) : full_att->merge_heads(att_out);
+    EXPECT_LT(max_abs_diff(got, want, {batch, time, out}), 1e-6);
+
+    // The bias acts.
+    const AttentionConfig plain_config = four_heads(in, out, opts());
+    const Tensor plain = causal ? CausalSelfAttention(plain_config)(x, time) : SelfAttention(plain_config)(x, time);
+    EXPECT_GT(max_abs_diff(got, plain, {batch, time, out}), 1e-4);
+    ++ran;
+  }
+  EXPECT_EQ(ran, 2);
+
+  AttentionConfig c = config(in, out);
+  c.relative_position = RelativePositionBuckets{8, 5};
+  expect_error([&] { CrossAttention att(c, Dim("enc_feat", 3)); }, "CrossAttention", {"a relative position bias"});
+  c.relative_position = RelativePositionBuckets{7, 5};
+  expect_error([&] { SelfAttention att(c); }, "RelativePositionBias", {"num_buckets must be even", "7"});
+  c.relative_position = RelativePositionBuckets{8, 5};
+  SelfAttention shared(c);
+  shared.relative_position_bias.emplace(Dim("other_heads", 2), RelativePositionBuckets{8, 5}, true, 1, opts());
+  expect_error([&] { shared(x, time); }, "SelfAttention", {"relative_position_bias has heads other_heads[2]"});
+}
+
+// The table learns (check_parameter_gradient). Lengths 6 and 3 reach
+// distances 0..5. Full (bidirectional, 4 buckets per direction,
+// max_distance 6): 0, 1 exact, then 2 (distances 2, 3) and 3 (4, 5), but
+// distance 0 is always the first half's, so bucket 4 never serves: 7 of 8
+// buckets learn. Causal (8 buckets): 0..3 exact, 4 (distance 4), 6 (distance
+// 5; log bounds 4 * 1.5^(k/4): 4, 4.4, 4.9, 5.4): 6 of 8.
+TEST_P(Modules, RelativePositionTableGetsAGradient) {
+  if (GetParam() != "torch") GTEST_SKIP() << "gradients through autograd are the torch backend's";
+  const std::vector<int> learning = check_parameter_gradient(
+      [](AttentionConfig& c, bool) { c.relative_position = RelativePositionBuckets{8, 6}; },
+      [](SelfAttention& att) -> Tensor& { return att.relative_position_bias->table; }, {6, 3});
+  EXPECT_EQ(learning, (std::vector<int>{7 * 4, 6 * 4}));
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, Modules, ::testing::ValuesIn(backend_names()), testing::backend_param_name);

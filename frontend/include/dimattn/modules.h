@@ -23,6 +23,49 @@ class Linear {
   std::optional<Tensor> bias;   // {out_dim}
 };
 
+// T5's bucketing of relative positions (Raffel et al., "Exploring the Limits
+// of Transfer Learning", section 2.1): `num_buckets` buckets, exact ones for
+// small distances, then logarithmically wider ones up to `max_distance`,
+// beyond which all distances share the last bucket.
+struct RelativePositionBuckets {
+  int64_t num_buckets = 32;
+  int64_t max_distance = 128;
+};
+
+// The bucket of a kv position `relative` positions after the query (relative
+// = kv position - query position; negative: before the query). Bidirectional:
+// half the buckets for kv positions at or before the query, half (from
+// num_buckets / 2 on) for those after it; causal: all buckets for distances
+// back, positions after the query share bucket 0. Within a half of n buckets
+// (causal: all n) a distance d < n/2 is its own bucket d; a larger one goes to
+// n/2 + floor(log(d / (n/2)) / log(max_distance / (n/2)) * (n - n/2)), at most
+// n - 1 (bucket boundaries included exactly). Throws for a bidirectional odd
+// or < 4 num_buckets, a causal one < 2, or max_distance <= n/2.
+int64_t relative_position_bucket(int64_t relative, const RelativePositionBuckets& buckets, bool bidirectional);
+
+// A learnable T5 relative position bias: a scalar per (bucket, head), added
+// to the energies by bucket of the kv position relative to the query's. T5
+// shares one over all layers: copies share the table.
+class RelativePositionBias {
+ public:
+  // table ~ U(-1, 1) from seed.
+  RelativePositionBias(Dim heads, const RelativePositionBuckets& buckets, bool bidirectional, uint64_t seed,
+                       const TensorOptions& opts = {});
+  // The bias {heads, query_dim, kv_dim} (plus query_offset's dims) for
+  // dot_attention's `bias`: entry (h, i, j) = table[bucket(j - (i + offset)),
+  // h], with query row i at kv position i + offset (offset: integer, over
+  // batch dims, e.g. a chunk's history lengths; default 0). Built with named
+  // ops (a one-hot {query_dim, kv_dim, buckets} times the table), so that on
+  // the torch backend the gradient reaches the table.
+  Tensor operator()(const Dim& query_dim, const Dim& kv_dim,
+                    const std::optional<Tensor>& query_offset = std::nullopt) const;
+
+  Dim heads, buckets;
+  RelativePositionBuckets config;
+  bool bidirectional;
+  Tensor table;  // {buckets, heads}; requires_grad(true) on the torch backend to learn it
+};
+
 struct AttentionConfig {
   Dim in_dim;
   Dim proj_dim;         // output feature dim
@@ -48,6 +91,11 @@ struct AttentionConfig {
   // from seed + 6. Exclusive with sink_off_by_one (the fixed logit 0).
   bool sinks = false;
   bool sink_off_by_one = false;
+  // T5's relative position bias (RelativePositionBias above): the module's
+  // `relative_position_bias` with this many buckets, bidirectional for
+  // SelfAttention, causal for CausalSelfAttention; table from seed + 7. Not
+  // for CrossAttention.
+  std::optional<RelativePositionBuckets> relative_position;
 };
 
 // ALiBi's slopes for `num_heads` heads (Press et al., "Train Short, Test
@@ -68,6 +116,9 @@ class SelfAttention {
   Linear qkv, proj;
   std::optional<Tensor> sinks;         // {heads}, with config.sinks (requires_grad(true) to learn it)
   std::optional<Tensor> alibi_slopes;  // {heads}, with config.alibi
+  // With config.relative_position; may be replaced by one shared with other
+  // layers (its heads must be this module's).
+  std::optional<RelativePositionBias> relative_position_bias;
 
  protected:
   // `module` names the module in errors; causal: its window may look back only.
@@ -79,6 +130,12 @@ class SelfAttention {
   // key_dim, axis, dropout and the variants of every mode: softcap, ALiBi
   // slopes, sinks (windows and positions are the caller's).
   AttentionOptions attention_options(const Dim& axis) const;
+  // With a relative position bias, sets o.bias over {heads, query_dim, o.axis}
+  // (query row i at kv position i + offset). In self-attention (o.axis ==
+  // query_dim) keys and values first get a kv dim of their own, which becomes
+  // o.axis, so that the bias can name both positions.
+  void add_relative_position_bias(AttentionOptions& o, Tensor& keys, Tensor& values, const Dim& query_dim,
+                                  const std::optional<Tensor>& offset = std::nullopt) const;
 };
 
 class CausalSelfAttention : public SelfAttention {
