@@ -130,6 +130,11 @@ struct ScoreMod {
   int64_t mask_row = 0, mask_col = 0;
 
   DIMATTN_HD bool on() const { return cap > 0 || slope != 0 || bias != nullptr || mask != nullptr; }
+  // Only a bias read along rows with unit stride: a row is one vector add
+  // (the CPU kernel's fast case; apply() gives the same values).
+  DIMATTN_HD bool bias_row_only() const {
+    return cap == 0 && slope == 0 && mask == nullptr && bias != nullptr && bias_col == 1;
+  }
   // Points at plane `plane` (flat b * heads + h) of a bias and a mask laid
   // out as AttentionKernelParams says; a null tensor stays off.
   DIMATTN_HD void set_planes(int64_t plane, const F* b, const int64_t* b_offsets, int64_t b_row, int64_t b_col,

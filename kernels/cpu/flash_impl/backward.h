@@ -184,9 +184,14 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
             if (mod.on()) {  // the forward's scores: scaled, capped, bias, ALiBi, mask
               A* th = p.has_softcap() ? w.th + r * ldk : nullptr;
               A t;
-              for (int64_t c = lr; c < nv; ++c) {
-                srow[c] = mod.apply(srow[c] * qk_mul, i0 + r, j0 + c, t);
-                if (th) th[c] = t;
+              if (mod.bias_row_only()) {
+                const A* bias = mod.bias + (i0 + r) * mod.bias_row + j0;
+                for (int64_t c = lr; c < nv; ++c) srow[c] = srow[c] * qk_mul + log2e * bias[c];
+              } else {
+                for (int64_t c = lr; c < nv; ++c) {
+                  srow[c] = mod.apply(srow[c] * qk_mul, i0 + r, j0 + c, t);
+                  if (th) th[c] = t;
+                }
               }
               exp2_row(srow, round_up(nv, W), A(1), lse2[r]);
             } else {

@@ -173,7 +173,12 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
       const int64_t npr = round_up(nv, W);
       if (mod.on()) {  // scores are q' . k = x (log2 units): cap, bias, ALiBi, mask
         A t;
-        for (int64_t c = lb; c < nv; ++c) srow[c] = mod.apply(srow[c], r0 + r, j0 + c, t);
+        if (mod.bias_row_only()) {
+          const A* bias = mod.bias + (r0 + r) * mod.bias_row + j0;
+          for (int64_t c = lb; c < nv; ++c) srow[c] += static_cast<A>(1.4426950408889634) * bias[c];
+        } else {
+          for (int64_t c = lb; c < nv; ++c) srow[c] = mod.apply(srow[c], r0 + r, j0 + c, t);
+        }
       }
       fill(srow, lb, -kInf);
       fill(srow + nv, npr - nv, -kInf);
