@@ -93,9 +93,11 @@ CallSpec parse_call_spec(std::string_view text) {
     else if (key == "query_position") s.query_position = value;
     else if (key == "window") s.window = window(entry, value);
     else if (key == "softcap") s.softcap = to_double(entry, value);
-    else if (key == "alibi" || key == "sinks") {
+    else if (key == "alibi" || key == "sinks" || key == "bias" || key == "mask") {
       auto [index, over] = indexed(entry, value);
-      (key == "alibi" ? s.alibi : s.sinks) = AuxTensorSpec{index, std::move(over)};
+      std::optional<AuxTensorSpec>& t =
+          key == "alibi" ? s.alibi : key == "sinks" ? s.sinks : key == "bias" ? s.bias : s.mask;
+      t = AuxTensorSpec{index, std::move(over)};
     } else if (key == "sink_off_by_one") s.sink_off_by_one = value == "1";
     else bad(entry, "unknown key '" + std::string(key) + "'");
   }

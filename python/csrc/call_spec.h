@@ -2,7 +2,7 @@
 // The call spec: how a dot_attention call's dims and options cross the torch
 // op boundary. Tensors travel as op arguments (query, keys, values, and the
 // auxiliary list: lengths of dynamic dims, causal offsets, ALiBi slopes,
-// sinks, the dropout seed); everything else travels in one string, so that a
+// sinks, bias, mask, the dropout seed); everything else travels in one string, so that a
 // framework maps its own dim objects onto names, and a new option is one
 // entry here and one in python/dimattn/_attention.py, not a new op schema.
 //
@@ -10,7 +10,8 @@
 //   out=batch,heads,time,vfeat;key_dim=feat;axis=kv;dyn.kv=0:batch;
 //   causal=time;causal_offset=1:batch;dropout=0.1;broadcast=1;train=1;seed=4;
 //   scale=0.125;force=reference;size.x=4;query_position=time;window=128:;
-//   softcap=50.0;alibi=2:heads;sinks=3:heads;sink_off_by_one=1
+//   softcap=50.0;alibi=2:heads;sinks=3:heads;sink_off_by_one=1;
+//   bias=5:heads,time,kv;mask=6:batch,kv
 //
 // Entries are separated by ';', the key ends at the first '='. Lists are
 // comma-separated names. "dyn.NAME=I:d1,d2" makes NAME a dynamic dim whose
@@ -20,7 +21,9 @@
 // in no operand (so that an error can name it with its size). The variants:
 // "query_position=NAME" (AttentionOptions::query_position_dim),
 // "window=LEFT:RIGHT" (an empty side is unbounded), "softcap=X",
-// "alibi=I:dims" and "sinks=I:dims" (aux[I] over dims), "sink_off_by_one=1".
+// "alibi=I:dims" and "sinks=I:dims" (aux[I] over dims), "sink_off_by_one=1",
+// "bias=I:dims" (a float aux[I], AttentionOptions::bias) and "mask=I:dims"
+// (a bool aux[I], AttentionOptions::mask).
 // Names hold no ';', ',', '=' or ':' (the Python side makes them so).
 #include <cstdint>
 #include <map>
@@ -69,6 +72,7 @@ struct CallSpec {
   std::optional<double> softcap;
   std::optional<AuxTensorSpec> alibi, sinks;
   bool sink_off_by_one = false;
+  std::optional<AuxTensorSpec> bias, mask;
 };
 
 // Throws dimattn::Error "[dimattn op] ..." for a malformed spec or an unknown

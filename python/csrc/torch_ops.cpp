@@ -2,7 +2,7 @@
 // loaded by the Python package with torch.ops.load_library; no Python C-API.
 //
 //   dimattn::dot_attention(query, keys, values, aux, spec) -> out
-//   dimattn::dot_attention_backward(grad_out, query, keys, values, aux, spec) -> (gq, gk, gv, gsinks)
+//   dimattn::dot_attention_backward(grad_out, query, keys, values, aux, spec) -> (gq, gk, gv, gsinks, gbias)
 //   dimattn::dot_attention_trace(query, keys, values, aux, spec) -> (energy, att_weights)
 //   dimattn::explain(query, keys, values, aux, spec) -> str
 //   dimattn::kernel_names() -> str[]
@@ -18,8 +18,10 @@
 // passes without a graph break. It recomputes the forward pass with autograd
 // on, through the torch backend's own autograd (every kernel of its table
 // has one), from the same dropout seed, so the same mask is drawn. Of the
-// auxiliary tensors only the sinks (learnable logits) get a gradient; it is
-// the backward op's fourth output (size 0 for a call without sinks).
+// auxiliary tensors only the sinks (learnable logits) and the bias get a
+// gradient: the backward op's fourth and fifth outputs (size 0 for a call
+// without them), each of its aux tensor's shape (summed over the dims it was
+// broadcast along).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -29,6 +31,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <array>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -71,6 +74,8 @@ class DimTable {
     if (s.causal_offset) take_sizes("causal_offset", s.causal_offset_dims, aux_at(aux, *s.causal_offset));
     if (s.alibi) take_sizes("alibi_slopes", s.alibi->over, aux_at(aux, s.alibi->index));
     if (s.sinks) take_sizes("sinks", s.sinks->over, aux_at(aux, s.sinks->index));
+    if (s.bias) take_sizes("bias", s.bias->over, aux_at(aux, s.bias->index));
+    if (s.mask) take_sizes("mask", s.mask->over, aux_at(aux, s.mask->index));
     for (const auto& [name, size] : s.sizes) sizes_.try_emplace(name, size);
 
     for (const auto& [name, size] : sizes_)
@@ -181,6 +186,8 @@ Call make_call(c10::string_view spec_text, const at::Tensor& q, const at::Tensor
   if (s.alibi) c.opts.alibi_slopes = from_aten(aux[s.alibi->index], t.dims(s.alibi->over));
   if (s.sinks) c.opts.sinks = from_aten(aux[s.sinks->index], t.dims(s.sinks->over));
   c.opts.sink_off_by_one = s.sink_off_by_one;
+  if (s.bias) c.opts.bias = from_aten(aux[s.bias->index], t.dims(s.bias->over));
+  if (s.mask) c.opts.mask = from_aten(aux[s.mask->index], t.dims(s.mask->over));
   return c;
 }
 
@@ -225,7 +232,11 @@ at::Tensor dot_attention_op(const at::Tensor& q, const at::Tensor& k, const at::
   return in_order(out, c.spec.out, *c.table, "the output", {&q, &k, &v});
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dot_attention_backward_op(
+// The aux tensors that learn, in the order of the backward op's outputs after
+// gq, gk, gv: the sinks, then the bias.
+std::array<std::optional<AuxTensorSpec>, 2> learnable(const CallSpec& s) { return {s.sinks, s.bias}; }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dot_attention_backward_op(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::TensorList aux,
     c10::string_view spec) {
   // Below the Autograd key the dispatcher excludes autograd; the recomputed
@@ -238,11 +249,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dot_attention_backwar
   const at::Tensor qd = q.detach().requires_grad_(true), kd = k.detach().requires_grad_(true),
                    vd = v.detach().requires_grad_(true);
   std::vector<at::Tensor> inputs{qd, kd, vd}, aux_d(aux.begin(), aux.end());
-  const std::optional<AuxTensorSpec> sinks = parsed(spec).sinks;
-  if (sinks) {
-    const at::Tensor sd = aux_at(aux, sinks->index).detach().requires_grad_(true);
-    aux_d[sinks->index] = sd;
-    inputs.push_back(sd);
+  // Each learnable aux tensor as an input of its own (its position in
+  // `inputs`, or none).
+  const auto learning = learnable(parsed(spec));
+  std::array<std::optional<size_t>, 2> at_input;
+  for (size_t i = 0; i < learning.size(); ++i) {
+    if (!learning[i]) continue;
+    const at::Tensor d = aux_at(aux, learning[i]->index).detach().requires_grad_(true);
+    aux_d[learning[i]->index] = d;
+    at_input[i] = inputs.size();
+    inputs.push_back(d);
   }
   const Call c = make_call(spec, qd, kd, vd, aux_d);
   const RunScope scope(c.spec, aux);
@@ -257,8 +273,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dot_attention_backwar
   auto or_zeros = [](const at::Tensor& grad, const at::Tensor& like) {
     return grad.defined() ? grad.contiguous() : at::zeros_like(like, at::MemoryFormat::Contiguous);
   };
-  return {or_zeros(g[0], q), or_zeros(g[1], k), or_zeros(g[2], v),
-          sinks ? or_zeros(g[3], inputs[3]) : at::empty({0}, q.options())};
+  auto learned = [&](size_t i) {
+    return at_input[i] ? or_zeros(g[*at_input[i]], inputs[*at_input[i]]) : at::empty({0}, q.options());
+  };
+  return {or_zeros(g[0], q), or_zeros(g[1], k), or_zeros(g[2], v), learned(0), learned(1)};
 }
 
 std::tuple<at::Tensor, at::Tensor> dot_attention_trace_op(const at::Tensor& q, const at::Tensor& k,
@@ -316,13 +334,14 @@ const auto& dot_attention_op_handle() {
   return op;
 }
 
-// The sinks (an aux tensor) are an input of their own too, so that autograd
-// gives them a gradient; the other aux tensors get none.
+// The sinks and the bias (aux tensors) are inputs of their own too, so that
+// autograd gives them a gradient; the other aux tensors get none.
 class DotAttentionFunction : public torch::autograd::Function<DotAttentionFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const std::optional<at::Tensor>& /*sinks: in aux*/,
-                            const std::vector<at::Tensor>& aux, const std::string& spec) {
+                            const std::optional<at::Tensor>& /*bias: in aux*/, const std::vector<at::Tensor>& aux,
+                            const std::string& spec) {
     const at::AutoDispatchBelowADInplaceOrView below;
     std::vector<at::Tensor> saved{q, k, v};
     saved.insert(saved.end(), aux.begin(), aux.end());
@@ -336,30 +355,36 @@ class DotAttentionFunction : public torch::autograd::Function<DotAttentionFuncti
     static const auto op =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("dimattn::dot_attention_backward", "")
-            .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+            .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::TensorList,
                 c10::string_view)>();
     const auto saved = ctx->get_saved_variables();
     const std::vector<at::Tensor> aux(saved.begin() + 3, saved.end());
     const std::string spec = ctx->saved_data["spec"].toStringRef();
-    auto [gq, gk, gv, gsinks] = op.call(grads[0], saved[0], saved[1], saved[2], aux, spec);
-    // No gradient for the sinks input where the call has none (it was no input then).
-    return {gq, gk, gv, parsed(spec).sinks ? gsinks : at::Tensor(), at::Tensor(), at::Tensor()};
+    auto [gq, gk, gv, gsinks, gbias] = op.call(grads[0], saved[0], saved[1], saved[2], aux, spec);
+    // No gradient for the sinks or bias input where the call has none (it
+    // was no input then).
+    const CallSpec& s = parsed(spec);
+    return {gq, gk, gv, s.sinks ? gsinks : at::Tensor(), s.bias ? gbias : at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor dot_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   at::TensorList aux, c10::string_view spec) {
-  const std::optional<AuxTensorSpec> sinks_spec = parsed(spec).sinks;
-  const std::optional<at::Tensor> sinks =
-      sinks_spec ? std::optional<at::Tensor>(aux_at(aux, sinks_spec->index)) : std::nullopt;
-  if (!at::GradMode::is_enabled() ||
-      !(q.requires_grad() || k.requires_grad() || v.requires_grad() || (sinks && sinks->requires_grad()))) {
+  const auto learning = learnable(parsed(spec));
+  std::array<std::optional<at::Tensor>, 2> learned;  // sinks, bias
+  bool any_grad = q.requires_grad() || k.requires_grad() || v.requires_grad();
+  for (size_t i = 0; i < learning.size(); ++i)
+    if (learning[i]) {
+      learned[i] = aux_at(aux, learning[i]->index);
+      any_grad = any_grad || learned[i]->requires_grad();
+    }
+  if (!at::GradMode::is_enabled() || !any_grad) {
     // Nothing to record (inference): straight to the device kernel.
     const at::AutoDispatchBelowADInplaceOrView below;
     return dot_attention_op_handle().call(q, k, v, aux, spec);
   }
-  return DotAttentionFunction::apply(q, k, v, sinks, aux.vec(), std::string(spec));
+  return DotAttentionFunction::apply(q, k, v, learned[0], learned[1], aux.vec(), std::string(spec));
 }
 
 }  // namespace
@@ -369,7 +394,7 @@ TORCH_LIBRARY(dimattn, m) {
   m.def("dot_attention(Tensor query, Tensor keys, Tensor values, Tensor[] aux, str spec) -> Tensor");
   m.def(
       "dot_attention_backward(Tensor grad_output, Tensor query, Tensor keys, Tensor values, Tensor[] aux, str spec) "
-      "-> (Tensor, Tensor, Tensor, Tensor)");
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("dot_attention_trace(Tensor query, Tensor keys, Tensor values, Tensor[] aux, str spec) -> (Tensor, Tensor)");
   m.def("explain(Tensor query, Tensor keys, Tensor values, Tensor[] aux, str spec) -> str");
   m.def("kernel_names() -> str[]", &dimattn::python::kernel_names_op);

@@ -3,8 +3,8 @@
 A call is encoded once per call as the op library's call spec (python/csrc/call_spec.h):
 the operands' dims become names, unique within the call (two Dims of one name get
 "name", "name#2"), dynamic dims send their lengths tensors along, and options
-become entries (tensor options, as ALiBi's slopes and the sinks, an aux tensor
-each). A new option is a keyword here and one entry in ``_encode``.
+become entries (tensor options, as ALiBi's slopes, the sinks, the bias and the
+mask, an aux tensor each). A new option is a keyword here and one entry in ``_encode``.
 """
 from __future__ import annotations
 
@@ -225,10 +225,11 @@ def _check_operand(name: str, x) -> None:
                     f"got {type(x).__name__}")
 
 
-def _check_variants(window, softcap, alibi_slopes, sinks) -> None:
+def _check_variants(window, softcap, alibi_slopes, sinks, bias=None, mask=None) -> None:
     """What the op cannot say itself: the Python types of the variant options.
-    Their values (window sides >= 0, softcap > 0, the dims of slopes and sinks) are
-    the C++ library's to check, with its messages."""
+    Their values (window sides >= 0, softcap > 0, the dims of slopes, sinks, bias and
+    mask, the dtypes of bias and mask) are the C++ library's to check, with its
+    messages."""
     if window is not None and not (isinstance(window, (tuple, list)) and len(window) == 2 and all(
             side is None or (isinstance(side, int) and not isinstance(side, bool)) for side in window)):
         raise Error(f"[dot_attention] window must be a pair (left, right) of ints, None for an unbounded side, "
@@ -239,6 +240,10 @@ def _check_variants(window, softcap, alibi_slopes, sinks) -> None:
         if t is not None and not isinstance(t, Tensor):
             raise Error(f"[dot_attention] {name} must be a dimattn.Tensor over batch dims (e.g. heads), "
                         f"got {type(t).__name__}")
+    for name, t, what in (("bias", bias, "a float"), ("mask", mask, "a bool")):
+        if t is not None and not isinstance(t, Tensor):
+            raise Error(f"[dot_attention] {name} must be {what} dimattn.Tensor over dims of the call (batch dims, "
+                        f"the query's own dims, keys-only dims, axis), got {type(t).__name__}")
     if alibi_slopes is not None and alibi_slopes.raw.requires_grad and torch.is_grad_enabled():
         raise Error("[dot_attention] alibi_slopes require grad, but ALiBi's slopes are constants and get no "
                     "gradient; pass alibi_slopes.raw.detach() (sinks are the learnable variant)")
@@ -246,7 +251,7 @@ def _check_variants(window, softcap, alibi_slopes, sinks) -> None:
 
 def _encode(query, keys, values, key_dim, axis, att_dropout, att_dropout_broadcast, causal_query_spatial_dim,
             causal_offset, scale, train, out_dims, energy_dims=None, *, query_position_dim=None, window=None,
-            softcap=None, alibi_slopes=None, sinks=None, sink_off_by_one=False):
+            softcap=None, alibi_slopes=None, sinks=None, sink_off_by_one=False, bias=None, mask=None):
     c = _Call(axis)
     e = c.entries
     e.append("q=" + c.names_of(query.dims))
@@ -279,9 +284,9 @@ def _encode(query, keys, values, key_dim, axis, att_dropout, att_dropout_broadca
         e.append("window=" + ":".join("" if side is None else str(int(side)) for side in window))
     if softcap is not None:
         e.append(f"softcap={float(softcap)!r}")
-    # Slopes and sinks: after every other aux tensor but the seed, so that a
-    # cached encoding appends them (and the seed) per call.
-    for entry, t in (("alibi", alibi_slopes), ("sinks", sinks)):
+    # Slopes, sinks, bias and mask: after every other aux tensor but the seed,
+    # so that a cached encoding appends them (and the seed) per call.
+    for entry, t in (("alibi", alibi_slopes), ("sinks", sinks), ("bias", bias), ("mask", mask)):
         if t is not None:
             over = c.names_of(t.dims)
             c.aux.append(t.raw)
@@ -331,7 +336,8 @@ def dot_attention(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, 
                   query_position_dim: Optional[Dim] = None,
                   window: Optional[Tuple[Optional[int], Optional[int]]] = None,
                   softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
-                  sinks: Optional[Tensor] = None, sink_off_by_one: bool = False) -> Tensor:
+                  sinks: Optional[Tensor] = None, sink_off_by_one: bool = False, bias: Optional[Tensor] = None,
+                  mask: Optional[Tensor] = None) -> Tensor:
     """Scaled dot-product attention over named dims (RETURNN's semantics, docs/python.md).
 
     query ``{..., key_dim}``, keys ``{..., axis, key_dim}``, values ``{..., axis, v_feat...}``;
@@ -349,21 +355,27 @@ def dot_attention(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, 
     logit in every softmax denominator, learnable), each a dimattn.Tensor over batch
     dims, ``sink_off_by_one`` (the fixed sink logit 0). Windows and ALiBi measure along
     the causal dim, else ``query_position_dim`` (``axis`` for self-attention).
+    ``bias`` (float, added to the energies, learnable) and ``mask`` (bool, True = may
+    attend) are dimattn.Tensors over any dims of the call but features: batch dims,
+    the query's own dims, keys-only dims and ``axis`` (the kv position; in
+    self-attention give keys and values a dim of their own for a bias over both
+    positions).
     """
     train = _state.train if train is None else bool(train)
-    _check_variants(window, softcap, alibi_slopes, sinks)
+    _check_variants(window, softcap, alibi_slopes, sinks, bias, mask)
     variants = dict(query_position_dim=query_position_dim, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                    sinks=sinks, sink_off_by_one=sink_off_by_one)
+                    sinks=sinks, sink_off_by_one=sink_off_by_one, bias=bias, mask=mask)
     if not torch.compiler.is_compiling() and not _state.traces and type(causal_offset) in (type(None), int):
         # Eager: the encoding of a call is a function of its dims' identities
         # and options, so repeated calls with the same Dims reuse it. Slopes,
-        # sinks and the dropout seed are the call's own: appended per call.
-        per_call = [t for t in (alibi_slopes, sinks) if t is not None]
+        # sinks, bias, mask and the dropout seed are the call's own: appended
+        # per call.
+        per_call = [t for t in (alibi_slopes, sinks, bias, mask) if t is not None]
         try:
             key = (query.dims, keys.dims, values.dims, key_dim, axis, att_dropout, att_dropout_broadcast,
                    causal_query_spatial_dim, causal_offset, scale, train, _state.force[-1] if _state.force else None,
                    query_position_dim, None if window is None else tuple(window), softcap, sink_off_by_one,
-                   None if alibi_slopes is None else alibi_slopes.dims, None if sinks is None else sinks.dims)
+                   *(None if t is None else t.dims for t in (alibi_slopes, sinks, bias, mask)))
             hit = _encodings.get(key)
         except (AttributeError, TypeError):  # not dimattn.Tensors: the checks below say so
             key = hit = None
@@ -447,19 +459,19 @@ def explain(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, axis: 
             train: Optional[bool] = None, query_position_dim: Optional[Dim] = None,
             window: Optional[Tuple[Optional[int], Optional[int]]] = None, softcap: Optional[float] = None,
             alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-            sink_off_by_one: bool = False) -> Decision:
+            sink_off_by_one: bool = False, bias: Optional[Tensor] = None, mask: Optional[Tensor] = None) -> Decision:
     """Which kernel :func:`dot_attention` would run for these arguments, and why each
     candidate before it was rejected. Runs nothing; raises like dot_attention for bad
     input or a forced kernel that cannot run."""
     for name, x in (("query", query), ("keys", keys), ("values", values)):
         _check_operand(name, x)
-    _check_variants(window, softcap, alibi_slopes, sinks)
+    _check_variants(window, softcap, alibi_slopes, sinks, bias, mask)
     train = _state.train if train is None else bool(train)
     out_dims = _out_dims(query, keys, values, key_dim, axis)
     spec, aux = _encode(query, keys, values, key_dim, axis, att_dropout, att_dropout_broadcast,
                         causal_query_spatial_dim, causal_offset, scale, train, out_dims,
                         query_position_dim=query_position_dim, window=window, softcap=softcap,
-                        alibi_slopes=alibi_slopes, sinks=sinks, sink_off_by_one=sink_off_by_one)
+                        alibi_slopes=alibi_slopes, sinks=sinks, sink_off_by_one=sink_off_by_one, bias=bias, mask=mask)
     try:
         raw = ops.explain(query.raw, keys.raw, values.raw, aux, spec)
     except RuntimeError as err:

@@ -36,14 +36,14 @@ ops = torch.ops.dimattn
 
 @functools.lru_cache(maxsize=1024)
 def _spec_lists(spec: str) -> dict:
-    """The name lists of a call spec (q, k, v, out, energy), and the aux index of
-    its sinks ("sinks", absent without)."""
+    """The name lists of a call spec (q, k, v, out, energy), and the aux indices of
+    its sinks and bias ("sinks", "bias", absent without)."""
     lists = {}
     for entry in spec.split(";"):
         key, _, value = entry.partition("=")
         if key in ("q", "k", "v", "out", "energy"):
             lists[key] = value.split(",") if value else []
-        elif key == "sinks":
+        elif key in ("sinks", "bias"):
             lists[key] = int(value.partition(":")[0])
     return lists
 
@@ -65,9 +65,14 @@ def _dot_attention_fake(query, keys, values, aux, spec):
 
 @torch.library.register_fake("dimattn::dot_attention_backward")
 def _dot_attention_backward_fake(grad_output, query, keys, values, aux, spec):
-    # The fourth output is the sinks' gradient, or size 0 for a call without sinks.
-    sinks = _spec_lists(spec).get("sinks")
-    return (torch.empty_like(query, memory_format=torch.contiguous_format),
-            torch.empty_like(keys, memory_format=torch.contiguous_format),
-            torch.empty_like(values, memory_format=torch.contiguous_format),
-            query.new_empty(0) if sinks is None else torch.empty_like(aux[sinks], memory_format=torch.contiguous_format))
+    # The fourth and fifth outputs are the gradients of the sinks and the bias,
+    # each of its aux tensor's shape, or size 0 for a call without it.
+    lists = _spec_lists(spec)
+
+    def like(x):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    def learned(key):
+        return query.new_empty(0) if lists.get(key) is None else like(aux[lists[key]])
+
+    return like(query), like(keys), like(values), learned("sinks"), learned("bias")

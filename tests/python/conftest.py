@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import dimattn as da
+from dimattn._attention import _encode, _out_dims
 
 
 def named(dims, seed=0, dtype=torch.float32, requires_grad=False):
@@ -32,6 +33,40 @@ def masked_attention(q, k, v, mask, scale=None):
     e = e.masked_fill(~mask, float("-inf"))
     w = torch.softmax(e, -1).nan_to_num(0.0)
     return w @ v
+
+
+def opcheck_call(q, k, v, kwargs, aux_inputs=()):
+    """torch.library.opcheck of the dot_attention op on the call that ``dot_attention(q,
+    k, v, **kwargs)`` makes (no dropout); each of the dimattn.Tensors ``aux_inputs``
+    must reach the op as an aux tensor."""
+    kw = dict(kwargs)
+    key_dim, axis = kw.pop("key_dim"), kw.pop("axis")
+    causal, offset = kw.pop("causal_query_spatial_dim", None), kw.pop("causal_offset", None)
+    out_dims = _out_dims(q, k, v, key_dim, axis)
+    spec, aux = _encode(q, k, v, key_dim, axis, 0.0, False, causal, offset, None, False, out_dims, **kw)
+    for t in aux_inputs:
+        assert any(a is t.raw for a in aux)
+    torch.library.opcheck(torch.ops.dimattn.dot_attention.default, (q.raw, k.raw, v.raw, aux, spec))
+
+
+def check_compiled_like_eager(layer, inputs, params, backend):
+    """``layer(*inputs)`` under torch.compile(fullgraph=True, backend=backend): one graph
+    without a break, and the eager outputs and gradients (of the inputs and of the
+    parameters ``params``, each of which must learn) to 1e-12 (float64)."""
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(layer)(*inputs)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    outs, grads = [], []
+    for m in (layer, compiled):
+        out = m(*inputs)
+        grads.append(torch.autograd.grad(out.sum(), (*inputs, *params)))
+        outs.append(out)
+    assert (outs[0] - outs[1]).abs().max() <= 1e-12
+    for g in grads[0][len(inputs):]:
+        assert g.abs().max() > 1e-3  # the parameter learns
+    for a, b in zip(*grads):
+        assert (a - b).abs().max() <= 1e-12
 
 
 @pytest.fixture(autouse=True)

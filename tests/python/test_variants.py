@@ -1,22 +1,25 @@
-"""The attention variants from Python (windows, soft-capping, ALiBi, sinks):
-against the forced reference path and a plain torch implementation, gradcheck
-including the sinks, opcheck, torch.compile, and bad input."""
+"""The attention variants from Python (windows, soft-capping, ALiBi, sinks, bias,
+mask): against the forced reference path and a plain torch implementation,
+gradcheck including the sinks and the bias (summed over the dims it is broadcast
+along), opcheck, torch.compile, repeated calls, and bad input."""
 import math
 
 import pytest
 import torch
 
 import dimattn as da
-from dimattn._attention import _encode, _out_dims
-from conftest import named
+from conftest import check_compiled_like_eager, named, opcheck_call
 
 B, H, D, DV = 2, 3, 4, 3
 SLOPES, SINKS = [0.5, 0.25, 0.125], [0.3, -1.0, 2.0]
 
 # Each case as data: self-attention over one dim of T positions, or a query dim
 # of TQ positions against a kv dim of TK; kv lengths per batch entry, causal
-# offsets per entry, and the variants.
+# offsets per entry, and the variants. A bias or mask is given by the roles of
+# its dims ("batch", "heads", "q", "kv"; in self-attention "kv" is `axis`, the kv
+# position); `empty_row`: a query row the mask leaves no position.
 T, TQ, TK = 6, 3, 7
+ROLES = ["batch", "heads", "q", "kv"]
 CASES = {
     "window_causal_self": dict(self=True, lengths=[6, 4], causal=True, window=(2, None)),
     "window_two_sided_offset": dict(offset=[2, 0], window=(1, 2)),
@@ -26,8 +29,23 @@ CASES = {
     "alibi_causal_offset": dict(causal=True, offset=[4, 2], alibi=True),
     "sinks_lengths_empty_entry": dict(lengths=[7, 0], sinks=True),
     "off_by_one_causal_self": dict(self=True, causal=True, off_by_one=True),
-    "all": dict(causal=True, offset=[4, 2], lengths=[7, 5], window=(3, None), softcap=1.5, alibi=True, sinks=True),
+    "bias_heads_q_kv": dict(bias=["kv", "heads", "q"]),
+    "bias_kv": dict(bias=["kv"]),
+    "bias_over_kv_position_self": dict(self=True, bias=["heads", "kv"]),
+    "mask_key_padding": dict(mask=["batch", "kv"]),
+    "mask_q_kv_empty_row": dict(mask=["q", "kv"], empty_row=1),
+    "bias_mask_lengths": dict(lengths=[7, 4], bias=["heads", "kv"], mask=["batch", "q", "kv"], empty_row=0),
+    "all": dict(causal=True, offset=[4, 2], lengths=[7, 5], window=(3, None), softcap=1.5, alibi=True, sinks=True,
+                bias=["heads", "q", "kv"], mask=["batch", "q", "kv"], empty_row=2),
 }
+
+
+def aligned(raw, roles):
+    """A raw bias or mask whose axes have the roles `roles`, broadcastable to [batch,
+    heads, tq, kv] (size 1 where it lacks a role)."""
+    perm = sorted(range(len(roles)), key=lambda i: ROLES.index(roles[i]))
+    raw, present = raw.permute(perm), [roles[i] for i in perm]
+    return raw.reshape([raw.shape[present.index(r)] if r in present else 1 for r in ROLES])
 
 
 class Case:
@@ -54,8 +72,17 @@ class Case:
         self.slopes = da.Tensor(torch.tensor(SLOPES, dtype=dtype), [heads]) if c.get("alibi") else None
         self.sinks = (da.Tensor(torch.tensor(SINKS, dtype=dtype, requires_grad=requires_grad), [heads])
                       if c.get("sinks") else None)
+        dims = {"batch": (batch, B), "heads": (heads, H), "q": (self.tq, tq_size), "kv": (self.kv, tk_size)}
+        self.bias = named([dims[r] for r in c["bias"]], 4, dtype, requires_grad) if c.get("bias") else None
+        self.mask = None
+        if c.get("mask"):
+            raw = torch.rand(*[dims[r][1] for r in c["mask"]], generator=torch.Generator().manual_seed(5)) >= 0.3
+            if "empty_row" in c:
+                raw.select(c["mask"].index("q"), c["empty_row"]).fill_(False)
+            self.mask = da.Tensor(raw, [dims[r][0] for r in c["mask"]])
         kw = dict(key_dim=feat, axis=self.kv, window=c.get("window"), softcap=c.get("softcap"),
-                  alibi_slopes=self.slopes, sinks=self.sinks, sink_off_by_one=c.get("off_by_one", False))
+                  alibi_slopes=self.slopes, sinks=self.sinks, sink_off_by_one=c.get("off_by_one", False),
+                  bias=self.bias, mask=self.mask)
         if c.get("causal"):
             kw["causal_query_spatial_dim"] = self.tq
         elif c.get("window") or c.get("alibi"):
@@ -64,25 +91,32 @@ class Case:
             kw["causal_offset"] = da.Tensor(torch.tensor(c["offset"]), [batch])
         self.kwargs = kw
 
-    def call(self, q=None, k=None, v=None, sinks=None):
-        """dot_attention, the result as raw [batch, heads, tq, vfeat]; q, k, v and sinks
-        may be raw replacements (for gradcheck)."""
+    def learnable(self):
+        """The case's learnable tensors, in the order call() takes them: sinks, bias."""
+        return [t for t in (self.sinks, self.bias) if t is not None]
+
+    def call(self, q=None, k=None, v=None, *learned):
+        """dot_attention, the result as raw [batch, heads, tq, vfeat]; q, k, v and the
+        learnable tensors may be raw replacements (for gradcheck)."""
         kw = dict(self.kwargs)
-        if sinks is not None:
-            kw["sinks"] = da.Tensor(sinks, [self.heads])
+        for key, raw in zip([name for name in ("sinks", "bias") if kw[name] is not None], learned):
+            kw[key] = da.Tensor(raw, kw[key].dims)
         out = da.dot_attention(self.q if q is None else da.Tensor(q, self.q.dims),
                                self.k if k is None else da.Tensor(k, self.k.dims),
                                self.v if v is None else da.Tensor(v, self.v.dims), **kw)
         return out.raw_in([self.batch, self.heads, self.tq, self.vfeat])
 
-    def plain(self):
+    def plain(self, bias=None):
         """The documented semantics in plain torch, in the documented order: scale ->
-        softcap -> ALiBi -> masks (padding, causal, window) -> softmax with the sink."""
+        softcap -> + bias + ALiBi -> masks (padding, causal, window, mask) -> softmax
+        with the sink. `bias`: a raw replacement of the case's (for its gradient)."""
         c = self.c
         q, k, v = self.q.raw.detach(), self.k.raw.detach(), self.v.raw.detach()
         e = q @ k.transpose(-1, -2) / math.sqrt(D)
         if c.get("softcap"):
             e = c["softcap"] * torch.tanh(e / c["softcap"])
+        if c.get("bias"):
+            e = e + aligned(self.bias.raw.detach() if bias is None else bias, c["bias"])
         i, j = torch.arange(q.shape[2]), torch.arange(k.shape[2])
         off = torch.tensor(c.get("offset", [0] * B))
         dist = (i[None, :, None] + off[:, None, None] - j[None, None, :])[:, None]  # i + offset - j, [B, 1, Tq, Tk]
@@ -98,6 +132,8 @@ class Case:
             allowed = allowed & (dist <= left)
         if right is not None:
             allowed = allowed & (dist >= -right)
+        if c.get("mask"):
+            allowed = allowed & aligned(self.mask.raw, c["mask"])
         e = e.masked_fill(~allowed, float("-inf"))
         if c.get("sinks") or c.get("off_by_one"):
             sink = torch.tensor(SINKS if c.get("sinks") else [0.0] * H, dtype=e.dtype)
@@ -114,8 +150,11 @@ def test_agrees_with_reference_path_and_plain_torch(name):
     selected = case.call()
     with da.force("reference"):
         reference = case.call()
+    assert not selected.isnan().any() and not reference.isnan().any()
     assert (selected - reference).abs().max() <= 1e-5
     assert (reference - case.plain()).abs().max() <= 1e-5
+    if "empty_row" in case.c:  # the row the mask leaves no position gives 0
+        assert selected[:, :, case.c["empty_row"]].abs().max() == 0
     # The variant acts: without it the result differs.
     plain_kwargs = dict(key_dim=case.feat, axis=case.kv)
     if case.c.get("causal"):
@@ -134,76 +173,88 @@ def test_cpu_flash_runs_the_variants():
     assert d.kernel == "cpu_flash"
     with da.force("aten_flash_cpu,reference"):
         d = da.explain(case.q, case.k, case.v, **case.kwargs)
-    assert d.kernel == "reference" and "window" in {r.kernel: r.reason for r in d.rejected}["aten_flash_cpu"]
+    # The first variant ATen's kernel lacks: the bias.
+    assert d.kernel == "reference" and "bias" in {r.kernel: r.reason for r in d.rejected}["aten_flash_cpu"]
 
 
-def test_new_slopes_and_sinks_tensors_are_used_on_repeated_calls():
-    # Eager calls reuse the encoding of a call with the same dims; the tensors
-    # of slopes and sinks are the call's own.
-    case = Case("all")
+@pytest.mark.parametrize("name", ["all", "bias_mask_lengths"])
+def test_new_variant_tensors_are_used_on_repeated_calls(name):
+    # Eager calls without a causal offset tensor (bias_mask_lengths) reuse the
+    # encoding of a call with the same dims; the tensors of slopes, sinks, bias
+    # and mask are the call's own.
+    case = Case(name)
     first = case.call()
-    case.kwargs["sinks"] = da.Tensor(torch.tensor([1.0, 0.0, -2.0]), [case.heads])
-    case.kwargs["alibi_slopes"] = da.Tensor(torch.tensor([0.1, 0.2, 0.3]), [case.heads])
+    case.call()
+    g = torch.Generator().manual_seed(7)
+    for key in ("alibi_slopes", "sinks", "bias", "mask"):
+        t = case.kwargs[key]
+        if t is not None:
+            raw = torch.rand(t.raw.shape, generator=g)
+            case.kwargs[key] = da.Tensor(raw >= 0.5 if key == "mask" else raw, t.dims)
     second = case.call()
     with da.force("reference"):
         assert (second - case.call()).abs().max() <= 1e-5
     assert (first - second).abs().max() > 1e-3
 
 
-def test_trace_energy_is_after_softcap_and_alibi():
+def test_trace_energy_is_after_softcap_bias_and_alibi():
     case = Case("alibi_causal_offset")
     case.kwargs["softcap"] = 0.7
+    bias = named([case.heads, case.tq, case.kv], 4)
+    case.kwargs["bias"] = bias
     with da.trace() as t:
         case.call()
     r = t.records[0]
     kv = r.energy.dims[-1]
     energy = r.energy.raw_in([case.batch, case.heads, case.tq, kv])
-    e = 0.7 * torch.tanh(case.q.raw @ case.k.raw.transpose(-1, -2) / math.sqrt(D) / 0.7)
+    e = 0.7 * torch.tanh(case.q.raw @ case.k.raw.transpose(-1, -2) / math.sqrt(D) / 0.7) + bias.raw
     dist = (torch.arange(TQ)[None, :, None] + torch.tensor([4, 2])[:, None, None] - torch.arange(TK))[:, None]
     e = e - torch.tensor(SLOPES)[None, :, None, None] * dist.abs()
     assert (energy - e).abs().max() <= 1e-5
 
 
 # Every variant through the selected kernel (cpu_flash); the reference path's
-# own backward on the cases with sinks.
+# own backward on the cases with sinks or a bias.
 GRAD_CASES = [(name, "auto") for name in ("window_two_sided_offset", "softcap", "alibi_causal_offset",
-                                          "sinks_lengths_empty_entry", "off_by_one_causal_self", "all")]
-GRAD_CASES += [("sinks_lengths_empty_entry", "reference"), ("all", "reference")]
+                                          "sinks_lengths_empty_entry", "off_by_one_causal_self", "bias_heads_q_kv",
+                                          "bias_kv", "bias_over_kv_position_self", "mask_q_kv_empty_row",
+                                          "bias_mask_lengths", "all")]
+GRAD_CASES += [(name, "reference") for name in ("sinks_lengths_empty_entry", "bias_kv", "bias_mask_lengths", "all")]
 
 
 @pytest.mark.parametrize("name,kernel", GRAD_CASES)
 def test_gradcheck_float64(name, kernel):
     case = Case(name, torch.float64, requires_grad=True)
-    inputs = [case.q.raw, case.k.raw, case.v.raw]
-    if case.sinks is not None:
-        inputs.append(case.sinks.raw)  # d(sinks) too
+    inputs = [case.q.raw, case.k.raw, case.v.raw] + [t.raw for t in case.learnable()]  # d(sinks), d(bias) too
     with da.force(kernel):
         assert torch.autograd.gradcheck(lambda *xs: case.call(*xs), tuple(inputs))
 
 
-def test_sinks_gradient_agrees_between_kernels():
+@pytest.mark.parametrize("name", ["all", "bias_kv", "bias_over_kv_position_self"])
+def test_learnable_gradients_agree_between_kernels_and_with_plain_torch(name):
     grads = []
     for kernel in ("reference", "cpu_flash"):
-        case = Case("all", torch.float64, requires_grad=True)
+        case = Case(name, torch.float64, requires_grad=True)
         with da.force(kernel):
             out = case.call()
-        (g,) = torch.autograd.grad(out.sin().sum(), case.sinks.raw)
-        grads.append(g)
-    assert grads[0].abs().max() > 1e-3
-    assert (grads[0] - grads[1]).abs().max() <= 2e-10
+        grads.append(torch.autograd.grad(out.sin().sum(), [t.raw for t in case.learnable()]))
+    for reference, flash in zip(*grads):
+        assert reference.abs().max() > 1e-3
+        assert (reference - flash).abs().max() <= 2e-10
+    # The bias's is plain torch's, in the bias's own shape: summed over the
+    # dims it is broadcast along.
+    bias = case.bias.raw.detach().clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(case.plain(bias).sin().sum(), bias)
+    assert grads[0][-1].shape == bias.shape
+    assert (grads[0][-1] - want).abs().max() <= 1e-10
 
 
-@pytest.mark.parametrize("name", ["all", "window_causal_self", "off_by_one_causal_self"])
+@pytest.mark.parametrize("name", ["all", "window_causal_self", "off_by_one_causal_self", "bias_kv",
+                                  "mask_key_padding"])
 def test_opcheck(name):
     case = Case(name, requires_grad=True)
-    kw = dict(case.kwargs)
-    key_dim, axis = kw.pop("key_dim"), kw.pop("axis")
-    causal, offset = kw.pop("causal_query_spatial_dim", None), kw.pop("causal_offset", None)
-    out_dims = _out_dims(case.q, case.k, case.v, key_dim, axis)
-    spec, aux = _encode(case.q, case.k, case.v, key_dim, axis, 0.0, False, causal, offset, None, False, out_dims, **kw)
-    if case.sinks is not None:
-        assert any(t is case.sinks.raw for t in aux)
-    torch.library.opcheck(torch.ops.dimattn.dot_attention.default, (case.q.raw, case.k.raw, case.v.raw, aux, spec))
+    tensors = [case.kwargs[key] for key in ("alibi_slopes", "sinks", "bias", "mask")]
+    opcheck_call(case.q, case.k, case.v, case.kwargs, [t for t in tensors if t is not None])
 
 
 class SinkLayer(torch.nn.Module):
@@ -228,20 +279,28 @@ class SinkLayer(torch.nn.Module):
 def test_compile_fullgraph_window_and_sinks(backend):
     batch, heads, time, feat = da.Dim("batch", B), da.Dim("heads", H), da.Dim("time", T), da.Dim("feat", D)
     layer = SinkLayer(batch, heads, time, feat)
-    q, k, v = (named([batch, heads, time, feat], s, torch.float64, True).raw for s in (1, 2, 3))
-    torch._dynamo.reset()
-    explanation = torch._dynamo.explain(layer)(q, k, v)
-    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
-    compiled = torch.compile(layer, fullgraph=True, backend=backend)
-    outs, grads = [], []
-    for m in (layer, compiled):
-        out = m(q, k, v)
-        grads.append(torch.autograd.grad(out.sum(), (q, k, v, layer.sinks)))
-        outs.append(out)
-    assert (outs[0] - outs[1]).abs().max() <= 1e-12
-    assert grads[0][3].abs().max() > 1e-3  # the sinks learn
-    for a, b in zip(*grads):
-        assert (a - b).abs().max() <= 1e-12
+    inputs = tuple(named([batch, heads, time, feat], s, torch.float64, True).raw for s in (1, 2, 3))
+    check_compiled_like_eager(layer, inputs, [layer.sinks], backend)
+
+
+class AllVariantsLayer(torch.nn.Module):
+    """The "all" case's call as a layer whose sinks and bias are parameters."""
+
+    def __init__(self, case):
+        super().__init__()
+        self.case = case
+        self.sinks = torch.nn.Parameter(case.sinks.raw.detach().clone())
+        self.bias = torch.nn.Parameter(case.bias.raw.detach().clone())
+
+    def forward(self, q, k, v):
+        return self.case.call(q, k, v, self.sinks, self.bias).tanh()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_every_variant_with_bias_and_mask(backend):
+    case = Case("all", torch.float64, requires_grad=True)
+    layer = AllVariantsLayer(case)
+    check_compiled_like_eager(layer, (case.q.raw, case.k.raw, case.v.raw), [layer.sinks, layer.bias], backend)
 
 
 def test_bad_variant_input_names_the_option():
@@ -282,16 +341,38 @@ def test_bad_variant_input_names_the_option():
         call(causal_query_spatial_dim=None)
     with pytest.raises(da.Error, match=r"window.left must be >= 0"):
         da.explain(case.q, case.k, case.v, **{**kw, "window": (-1, None)})
+    # bias and mask
+    mask = da.Tensor(torch.ones(B, T, dtype=torch.bool), [case.batch, case.kv])
+    with pytest.raises(da.Error, match=r"\[dot_attention\] mask must be a bool tensor \(true = may attend\).*"
+                                       r"for an additive float mask pass bias"):
+        call(mask=da.Tensor(mask.raw.float(), mask.dims))
+    with pytest.raises(da.Error, match=r"\[dot_attention\] bias must be a floating tensor.*pass mask"):
+        call(bias=mask)
+    other = da.Dim("other", 2)
+    with pytest.raises(da.Error, match=r"\[dot_attention\] bias \(heads\[3\], other\[2\]\) has dim other\[2\], "
+                                       r"which is not a dim it may vary over"):
+        call(bias=named([case.heads, other], 6))
+    with pytest.raises(da.Error, match=r"mask \(batch\[2\], feat\[4\]\) has dim feat\[4\].*feature dims never"):
+        call(mask=da.Tensor(torch.ones(B, D, dtype=torch.bool), [case.batch, case.feat]))
+    with pytest.raises(da.Error, match=r"\[dot_attention\] bias must be a float dimattn.Tensor"):
+        call(bias=torch.zeros(H))
+    with pytest.raises(da.Error, match=r"\[dot_attention\] mask must be a bool dimattn.Tensor"):
+        call(mask=[True, False])
+    with pytest.raises(da.Error, match=r"mask must be a bool tensor"):
+        da.explain(case.q, case.k, case.v, **{**kw, "mask": da.Tensor(mask.raw.float(), mask.dims)})
 
 
-def test_sinks_alone_or_without_gradient():
-    # Only the sinks learn (a frozen model): the op still records autograd.
+@pytest.mark.parametrize("learning", ["sinks", "bias"])
+def test_sinks_or_bias_alone_or_without_gradient(learning):
+    # Only the sinks or the bias learn (a frozen model): the op still records
+    # autograd.
     case = Case("all", torch.float64)
-    case.sinks.raw.requires_grad_(True)
-    (g,) = torch.autograd.grad(case.call().sum(), case.sinks.raw)
+    t = getattr(case, learning).raw.requires_grad_(True)
+    (g,) = torch.autograd.grad(case.call().sum(), t)
     assert g.abs().max() > 1e-3
-    # Fixed sinks, a learning query: no gradient is asked of the sinks.
+    # Fixed sinks and bias, a learning query: no gradient is asked of them.
     case = Case("all", torch.float64)
     case.q.raw.requires_grad_(True)
     (g,) = torch.autograd.grad(case.call().sum(), case.q.raw)
-    assert g.shape == case.q.raw.shape and case.sinks.raw.grad is None
+    assert g.shape == case.q.raw.shape and not g.isnan().any()
+    assert case.sinks.raw.grad is None and case.bias.raw.grad is None
