@@ -145,9 +145,9 @@ Tensor RelativePositionBias::operator()(const Dim& query_dim, const Dim& kv_dim,
   Dim offsets("relative_position", 2 * config.max_distance + 1);
   const Tensor bucket_of = from_host({offsets}, bucket_table(config, bidirectional), int_opts);
   const Tensor bucket = gather(bucket_of, offsets, add(relative, reach));
-  // A one-hot over buckets times the table: matmul's gradient reaches the table.
-  const Tensor one_hot = cast(compare(bucket, Compare::eq, range_over_dim(buckets, int_opts)), table.dtype());
-  return matmul(table, one_hot, {buckets});
+  // The table's rows gathered per (query, kv): {heads, query, kv}, no bigger
+  // than the bias (gather's gradient reaches the table on the torch backend).
+  return gather(table, buckets, bucket);
 }
 
 Linear::Linear(Dim in, Dim out, uint64_t seed, const TensorOptions& opts, bool with_bias)

@@ -55,8 +55,8 @@ class RelativePositionBias {
   // dot_attention's `bias`: entry (h, i, j) = table[bucket(j - (i + offset)),
   // h], with query row i at kv position i + offset (offset: integer, over
   // batch dims, e.g. a chunk's history lengths; default 0). Built with named
-  // ops (a one-hot {query_dim, kv_dim, buckets} times the table), so that on
-  // the torch backend the gradient reaches the table.
+  // ops (the table's rows gathered by bucket), so that on the torch backend
+  // the gradient reaches the table.
   Tensor operator()(const Dim& query_dim, const Dim& kv_dim,
                     const std::optional<Tensor>& query_offset = std::nullopt) const;
 
