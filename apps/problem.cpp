@@ -35,6 +35,10 @@ void apply_variants(const Args& a, AttentionCase& p) {
   p.sinks = a.flag("sinks");
   p.bias = a.text("bias", "");
   p.mask = a.text("mask", "");
+  for (const char* option : {"bias", "mask"})
+    for (char x : a.text(option, ""))
+      if (std::string("bhgtk").find(x) == std::string::npos)
+        a.fail(option, std::string("'") + x + "' names no dim; use letters of bhgtk (batch, heads, group, query time, kv)");
 }
 
 void check_kernel_names(const std::string& option, const std::vector<std::string>& names) {

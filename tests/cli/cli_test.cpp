@@ -192,6 +192,29 @@ TEST(Cli, BenchListsRejectedKernelsWithTheirReason) {
   EXPECT_EQ(count(read_file(json), "\"rejected_reason\": \""), 3);
 }
 
+// Variant options reach selection (explain shows the presence bits) and
+// every bench config that can take them; the others are left out.
+TEST(Cli, VariantOptionsReachExplainAndBench) {
+  const Result e = run("explain --batch 2 --heads 2 --seq-q 8 --seq-k 12 --head-dim 8 --window-left 4 --softcap 30 "
+                       "--alibi --sinks --bias htk --mask bk");
+  ASSERT_EQ(e.status, 0) << e.err;
+  for (const char* bit : {"window=1", "softcap=1", "alibi=1", "sinks=1", "bias=1", "mask=1"})
+    EXPECT_NE(e.out.find(bit), std::string::npos) << bit << " in\n" << e.out;
+  const Result b = run("bench --quick --seq 8 --repeats 1 --threads 1 --device cpu --bias htk --window-left 4");
+  ASSERT_EQ(b.status, 0) << b.err;
+  EXPECT_NE(b.out.find("variants on every config: window-left=4 bias=htk"), std::string::npos) << b.out;
+  // A bias over the query time (t) needs the cross kind's own kv dim.
+  const int backends = static_cast<int>(dimattn::backend_names().size());
+  EXPECT_EQ(count(b.out, "  reference "), backends) << b.out;
+  EXPECT_GE(count(b.out, "\ncross "), 3 * backends) << b.out;
+  EXPECT_EQ(count(b.out, "\nself "), 0) << b.out;
+  EXPECT_EQ(count(b.out, "\ncausal "), 0) << b.out;
+  // Letters that name no dim are a usage error, not a suite left empty.
+  const Result letters = run("bench --quick --seq 8 --bias xk");
+  EXPECT_EQ(letters.status, 2) << letters.out << letters.err;
+  EXPECT_NE(letters.err.find("--bias"), std::string::npos) << letters.err;
+}
+
 TEST(Cli, CheckPassesAndSummarises) {
   const Result r = run("check --cases 200 --seed 1");
   EXPECT_EQ(r.status, 0) << r.out << r.err;
