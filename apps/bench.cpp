@@ -337,16 +337,8 @@ int run_bench(int argc, char** argv, int first) {
     if (const auto path = args.value(option))
       if (!std::ofstream(*path)) throw Error("cannot write " + *path);
   const std::vector<Config> configs = suite(s);
-  const AttentionCase& v = s.variants;
-  std::string variants;
-  if (v.window_left) variants += " window-left=" + std::to_string(*v.window_left);
-  if (v.window_right) variants += " window-right=" + std::to_string(*v.window_right);
-  if (v.softcap) variants += " softcap=" + std::to_string(*v.softcap);
-  if (v.alibi) variants += " alibi";
-  if (v.sinks) variants += " sinks";
-  if (!v.bias.empty()) variants += " bias=" + v.bias;
-  if (!v.mask.empty()) variants += " mask=" + v.mask;
-  if (!variants.empty()) std::printf("variants on every config:%s\n", variants.c_str());
+  if (const std::string v = s.variants.describe_variants(); !v.empty())
+    std::printf("variants on every config:%s\n", v.c_str());
   int steps = 0;
   for (const Config& c : configs) steps += static_cast<int>(kernels_of(c.problem, s).size()) + 2;
   Progress progress(steps);

@@ -1,6 +1,7 @@
 #include "adapters/kernel_form.h"
 
 #include <algorithm>
+#include <functional>
 
 #include "dimattn/ext/layout.h"
 #include "dimattn/internal/check.h"
@@ -188,6 +189,24 @@ DType accumulation_dtype(const AttentionCall& c) {
 
 namespace {
 
+// Where each flat (b, h) index (row-major over per_head_dims(c)) lands in a
+// tensor over some of those dims, from each dim's stride there (0 where the
+// tensor lacks it).
+std::vector<int64_t> per_head_offsets(const AttentionCall& c, const std::function<int64_t(const Dim&)>& stride_of) {
+  const Dims flat = per_head_dims(c);
+  int64_t n = 1;
+  for (const Dim& d : flat) n *= d.extent();
+  std::vector<int64_t> offsets(static_cast<size_t>(n), 0);
+  int64_t inner = 1;
+  for (size_t a = flat.size(); a-- > 0;) {
+    const int64_t extent = flat[a].extent(), stride = stride_of(flat[a]);
+    if (stride != 0)
+      for (int64_t x = 0; x < n; ++x) offsets[static_cast<size_t>(x)] += (x / inner) % extent * stride;
+    inner *= extent;
+  }
+  return offsets;
+}
+
 // Where each (b, h) plane of `t` (over a subset of the call's per-head dims
 // and its query and kv positions) starts, from its strides (`v` is its
 // memory), and its row and column strides.
@@ -197,18 +216,7 @@ void plane_offsets(const AttentionCall& c, const Tensor& t, const HostView& v, s
     const int a = t.axis_of(d);
     return a < 0 || d.extent() == 1 ? int64_t{0} : v.strides[static_cast<size_t>(a)];
   };
-  const Dims flat = per_head_dims(c);
-  int64_t n = 1;
-  for (const Dim& d : flat) n *= d.extent();
-  offsets.assign(static_cast<size_t>(n), 0);
-  // Row-major over flat: each dim's index times its stride in t.
-  int64_t inner = 1;
-  for (size_t a = flat.size(); a-- > 0;) {
-    const int64_t extent = flat[a].extent(), stride = stride_of(flat[a]);
-    if (stride != 0)
-      for (int64_t x = 0; x < n; ++x) offsets[static_cast<size_t>(x)] += (x / inner) % extent * stride;
-    inner *= extent;
-  }
+  offsets = per_head_offsets(c, stride_of);
   row_stride = stride_of(c.query_spatial);
   col_stride = stride_of(c.kv_spatial);
 }
@@ -261,26 +269,18 @@ Dims per_head_dims(const AttentionCall& c) { return join({batch_head_dims(c), c.
 
 Tensor sinks_gradient(Backend& be, const AttentionCall& c, const std::vector<double>& dsinks) {
   const Tensor& sinks = *c.sinks;
-  const Dims flat = per_head_dims(c);
   // Each flat index's position in the sinks' own row-major order.
-  std::vector<int64_t> stride_of(flat.size(), 0);
-  int64_t n = 1;
-  for (size_t a = sinks.dims().size(); a-- > 0;) {
-    const auto it = std::find(flat.begin(), flat.end(), sinks.dims()[a]);
-    stride_of[static_cast<size_t>(it - flat.begin())] = n;
-    n *= sinks.dims()[a].extent();
-  }
-  std::vector<double> grad(static_cast<size_t>(n), 0.0);
-  for (int64_t x = 0; x < static_cast<int64_t>(dsinks.size()); ++x) {
-    int64_t rest = x, at = 0;
-    for (size_t a = flat.size(); a-- > 0;) {
-      at += (rest % flat[a].extent()) * stride_of[a];
-      rest /= flat[a].extent();
-    }
-    grad[static_cast<size_t>(at)] += dsinks[static_cast<size_t>(x)];
-  }
   Shape shape;
   for (const Dim& d : sinks.dims()) shape.push_back(d.extent());
+  std::vector<int64_t> dense(shape.size());
+  int64_t n = 1;
+  for (size_t a = shape.size(); a-- > 0;) dense[a] = n, n *= shape[a];
+  const std::vector<int64_t> at = per_head_offsets(c, [&](const Dim& d) {
+    const int a = sinks.axis_of(d);
+    return a < 0 ? int64_t{0} : dense[static_cast<size_t>(a)];
+  });
+  std::vector<double> grad(static_cast<size_t>(n), 0.0);
+  for (size_t x = 0; x < dsinks.size(); ++x) grad[static_cast<size_t>(at[x])] += dsinks[x];
   return Tensor(sinks.dims(), sinks.dtype(), sinks.device(),
                 be.from_host(shape, grad, sinks.dtype(), sinks.device()), &be);
 }

@@ -60,6 +60,12 @@ std::string AttentionCase::describe() const {
   if (!lengths.empty()) os << " lengths=" << join(lengths);
   if (dropout > 0) os << " dropout=" << dropout << (broadcast_dropout ? "(broadcast)" : "");
   if (scale) os << " scale=" << *scale;
+  os << describe_variants() << " seed=" << seed;
+  return os.str();
+}
+
+std::string AttentionCase::describe_variants() const {
+  std::ostringstream os;
   if (window_left || window_right)
     os << " window=[" << (window_left ? std::to_string(*window_left) : "-") << ","
        << (window_right ? std::to_string(*window_right) : "-") << "]";
@@ -68,7 +74,6 @@ std::string AttentionCase::describe() const {
   if (sinks) os << " sinks";
   if (!bias.empty()) os << " bias=" << bias;
   if (!mask.empty()) os << " mask=" << mask;
-  os << " seed=" << seed;
   return os.str();
 }
 

@@ -66,6 +66,7 @@ struct AttentionCase {
   // Forward FLOPs, 4·B·H·rows·Tk·D, halved for causal (DESIGN.md §9).
   double flops() const;
   std::string describe() const;  // one line, for reports
+  std::string describe_variants() const;  // its variants only (" window=[4,-] bias=htk"), "" for none
 };
 
 // Why the sizes and flags do not make one call, or nullopt when they do.
