@@ -87,35 +87,78 @@ Tensor cpu_flash_attention(Backend& be, const AttentionCall& c, const KernelForm
   return flash_output(be, c, fwd.out);
 }
 
-AttentionCallGrads cpu_flash_attention_backward(Backend& be, const AttentionCall& c, const Tensor& grad_output,
-                                                const kernels::ParallelFor& pf) {
-  const char* op = "dot_attention_backward";
+namespace {
+
+// What cpu_flash needs of a call outside the kernel table: host memory and
+// its gate.
+void check_host_call(Backend& be, const AttentionCall& c, const char* op) {
   DIMATTN_CHECK(c.query.device().type == DeviceType::cpu && be.host_view(c.query.raw()).has_value(), op,
-        "needs CPU tensors whose backend exposes host memory; got ", c.query.repr(),
-        ". On the torch backend use Tensor::backward");
+                "runs dimattn's CPU kernel and needs CPU tensors whose backend exposes host memory; got ",
+                c.query.repr(), " (CUDA tensors: use Tensor::backward on the torch backend; blocks of a longer ",
+                "attention are not yet computed on CUDA)");
   const GateResult gate = cpu_flash_gate(attention_params(c, LayoutClass::separate, false));
   DIMATTN_CHECK(gate.ok, op, "cpu_flash cannot run this call: ", gate.reason);
-  DIMATTN_CHECK(grad_output.dtype() == c.query.dtype(), op, "grad_output has dtype ", dtype_name(grad_output.dtype()),
-        "; the output of this call has ", dtype_name(c.query.dtype()));
+}
 
+// The call's output order as the kernel lays it out: B's dims and the kv
+// heads', the query groups, the query position, then (with_features) the
+// value features.
+Dims kernel_output_order(const AttentionCall& c, bool with_features) {
+  return join({batch_head_dims(c), c.query_groups, {c.query_spatial}, with_features ? c.value_feature : Dims{}});
+}
+
+// A tensor over the call's output dims (without the value features when
+// !with_features), `what` naming it, as the kernel's [B, H, Tq(, Dv)].
+RawPtr in_kernel_form(Backend& be, const AttentionCall& c, const FlashLayout& l, const Tensor& t, const char* what,
+                      bool with_features, DType dtype, const char* op) {
+  const Dims order = kernel_output_order(c, with_features);
+  Dims missing, extra;
+  for (const Dim& d : order)
+    if (!t.has(d)) missing.push_back(d);
+  for (const Dim& d : t.dims())
+    if (!contains(order, d)) extra.push_back(d);
+  DIMATTN_CHECK(missing.empty() && extra.empty(), op, what, " has dims ", repr(t.dims()), "; it must have ",
+                repr(order));
+  DIMATTN_CHECK(t.dtype() == dtype, op, what, " has dtype ", dtype_name(t.dtype()), "; this call's is ",
+                dtype_name(dtype));
+  Shape shape{l.B, l.Hkv * l.G, l.Tq};
+  if (with_features) shape.push_back(l.Dv);
+  return be.contiguous(be.reshape(raw_in_order(op, t, order, false), shape));
+}
+
+DType lse_dtype_of(const AttentionCall& c) {
+  return c.query.dtype() == DType::float64 ? DType::float64 : DType::float32;
+}
+
+}  // namespace
+
+AttentionBlockResult cpu_flash_attention_block(Backend& be, const AttentionCall& c, const kernels::ParallelFor& pf) {
+  check_host_call(be, c, "dot_attention_block");
+  const KernelForm form = host_kernel_form(be, c);
+  const FlashForward fwd = flash_forward(be, c, form.layout, flash_inputs(be, c, form), pf);
+  Dims dims = kernel_output_order(c, false);
+  Shape shape;
+  for (const Dim& d : dims) shape.push_back(d.extent());
+  return {flash_output(be, c, fwd.out),
+          Tensor(std::move(dims), lse_dtype_of(c), kCPU, be.reshape(fwd.lse, shape), &be)};
+}
+
+AttentionCallGrads cpu_flash_attention_backward(Backend& be, const AttentionCall& c, const Tensor& grad_output,
+                                                const AttentionBlockResult* merged, const kernels::ParallelFor& pf) {
+  const char* op = "dot_attention_backward";
+  check_host_call(be, c, op);
   const KernelForm form = host_kernel_form(be, c);
   const FlashLayout& l = form.layout;
   const FlashInputs in = flash_inputs(be, c, form);
-  const FlashForward fwd = flash_forward(be, c, l, in, pf);
-  // The upstream gradient in the kernel's output order.
-  const Dims kv_heads = batch_head_dims(c);
-  const Dims out_order = join({kv_heads, c.query_groups, {c.query_spatial}, c.value_feature});
-  Dims missing, extra;
-  for (const Dim& d : out_order)
-    if (!grad_output.has(d)) missing.push_back(d);
-  for (const Dim& d : grad_output.dims())
-    if (!contains(out_order, d)) extra.push_back(d);
-  DIMATTN_CHECK(missing.empty() && extra.empty(), op, "grad_output has dims ", repr(grad_output.dims()),
-        "; the output of this call has ", repr(out_order));
-  const RawPtr dout4 = be.reshape(raw_in_order(op, grad_output, out_order, false), {l.B, l.Hkv * l.G, l.Tq, l.Dv});
+  const FlashForward fwd =
+      merged ? FlashForward{in_kernel_form(be, c, l, merged->output, "the merged output", true, c.query.dtype(), op),
+                            in_kernel_form(be, c, l, merged->lse, "the merged lse", false, lse_dtype_of(c), op)}
+             : flash_forward(be, c, l, in, pf);
+  const RawPtr dout4 = in_kernel_form(be, c, l, grad_output, "grad_output", true, c.query.dtype(), op);
   const FlashGrads grads = flash_backward(be, c, l, in, fwd, dout4, pf);
   const FlashInputs& g = grads.inputs;
 
+  const Dims kv_heads = batch_head_dims(c);
   auto named = [&](const RawPtr& raw, const Dims& dims) {
     Shape shape;
     for (const Dim& d : dims) shape.push_back(d.extent());

@@ -38,10 +38,12 @@ FlashGrads flash_backward(Backend& be, const AttentionCall& c, const FlashLayout
 // The whole forward pass for a backend's run_attention: the call's output,
 // on the call's kernel form (from its plan).
 Tensor cpu_flash_attention(Backend& be, const AttentionCall& c, const KernelForm& form, const kernels::ParallelFor& pf);
-// The whole backward pass for a backend's attention_backward (no autograd):
-// recomputes the forward pass; grad_output over the call's output dims.
+// The call as a block of a longer attention (Backend::attention_block).
+AttentionBlockResult cpu_flash_attention_block(Backend& be, const AttentionCall& c, const kernels::ParallelFor& pf);
+// The whole backward pass for a backend's attention_backward: recomputes the
+// forward pass unless `merged` gives it; grad_output over the call's output dims.
 AttentionCallGrads cpu_flash_attention_backward(Backend& be, const AttentionCall& c, const Tensor& grad_output,
-                                                const kernels::ParallelFor& pf);
+                                                const AttentionBlockResult* merged, const kernels::ParallelFor& pf);
 
 // dimattn's CPU pool (set_cpu_threads), for backends without their own.
 kernels::ParallelFor default_parallel_for();

@@ -162,6 +162,8 @@ void flash_params(FlashParams& pr, const AttentionCall& c, const FlashLayout& l,
   p.dropout_broadcast = c.dropout_broadcast;
   p.seed = c.dropout_seed;
   p.rng_offset = static_cast<uint32_t>(c.dropout_offset);
+  p.dropout_q_position = c.dropout_q_position;
+  p.dropout_kv_position = c.dropout_kv_position;
   p.window_left = c.window_left;
   p.window_right = c.window_right;
   p.softcap = c.softcap;

@@ -98,8 +98,12 @@ class EigenBackend final : public Backend {
     return table;
   }
   AttentionPlanPtr plan_attention(const AttentionCall& c) override { return detail::plan_with_host_form(*this, c); }
-  AttentionCallGrads attention_backward(const AttentionCall& c, const Tensor& grad_output) override {
-    return detail::cpu_flash_attention_backward(*this, c, grad_output, detail::default_parallel_for());
+  AttentionBlockResult attention_block(const AttentionCall& c) override {
+    return detail::cpu_flash_attention_block(*this, c, detail::default_parallel_for());
+  }
+  AttentionCallGrads attention_backward(const AttentionCall& c, const Tensor& grad_output,
+                                        const AttentionBlockResult* merged) override {
+    return detail::cpu_flash_attention_backward(*this, c, grad_output, merged, detail::default_parallel_for());
   }
 
   std::optional<HostView> host_view(const RawPtr& x) override {

@@ -390,4 +390,15 @@ AttentionPlanPtr TorchBackend::plan_attention(const AttentionCall& call) {
   return detail::plan_with_form(*this, call, m);
 }
 
+AttentionBlockResult TorchBackend::attention_block(const AttentionCall& call) {
+  const at::NoGradGuard no_grad;  // the caller owns the gradients of blocks
+  return detail::cpu_flash_attention_block(*this, call, aten_parallel_for());
+}
+
+AttentionCallGrads TorchBackend::attention_backward(const AttentionCall& call, const Tensor& grad_output,
+                                                    const AttentionBlockResult* merged) {
+  const at::NoGradGuard no_grad;
+  return detail::cpu_flash_attention_backward(*this, call, grad_output, merged, aten_parallel_for());
+}
+
 }  // namespace dimattn::torch_backend

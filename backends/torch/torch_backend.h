@@ -56,6 +56,12 @@ class TorchBackend : public Backend {
   // own, behind kernel selection.
   const KernelTable& attention_table() const override;
   AttentionPlanPtr plan_attention(const AttentionCall& call) override;
+  // Blocks of a longer attention and their gradients (context parallelism),
+  // and dot_attention_backward: dimattn's CPU kernel on CPU tensors, outside
+  // autograd. Not yet on CUDA tensors.
+  AttentionBlockResult attention_block(const AttentionCall& call) override;
+  AttentionCallGrads attention_backward(const AttentionCall& call, const Tensor& grad_output,
+                                        const AttentionBlockResult* merged) override;
 };
 
 }  // namespace dimattn::torch_backend

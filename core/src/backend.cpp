@@ -66,7 +66,12 @@ Tensor Backend::run_attention(const AttentionCall& call, const AttentionPlan& pl
                device_name(call.query.device()), " to run");
 }
 
-AttentionCallGrads Backend::attention_backward(const AttentionCall&, const Tensor&) {
+AttentionBlockResult Backend::attention_block(const AttentionCall&) {
+  detail::fail("dot_attention_block", "backend '", name(), "' has no fused kernel that gives the lse; ",
+               "use the torch or the Eigen backend");
+}
+
+AttentionCallGrads Backend::attention_backward(const AttentionCall&, const Tensor&, const AttentionBlockResult*) {
   detail::fail("dot_attention_backward", "backend '", name(), "' has no fused attention backward; ",
                "use a backend with autograd (torch) and Tensor::backward");
 }

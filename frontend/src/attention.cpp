@@ -113,7 +113,7 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
                     off.repr());
       DIMATTN_CHECK(without(off.dims(), batch).empty(), kOp, "causal_offset dims ", repr(off.dims()),
                     " must be batch dims of the call ", repr(batch));
-    } else {
+    } else if (!o.positions) {
       DIMATTN_CHECK(cq.extent() == kv_axis.extent(), kOp, "causal attention without causal_offset needs equal query and kv ",
                     "extents; query ", cq.repr(), " vs kv ", o.axis.repr(),
                     ". For a chunk appended to a history pass causal_offset = history length");
@@ -146,6 +146,20 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
   DIMATTN_CHECK(position || (!o.window && !o.alibi_slopes), kOp, o.window ? "a window" : "ALiBi",
                 " measures distance along the query's positional dim: pass query_position_dim (for causal attention, ",
                 "causal_query_spatial_dim); it is never guessed");
+  // A block of a longer sequence: its positions shift the diagonal (the
+  // causal offset gains query - kv) and key the dropout mask.
+  std::optional<Tensor> causal_offset = o.causal_offset;
+  if (o.positions) {
+    const AttentionPositions& ps = *o.positions;
+    DIMATTN_CHECK(position.has_value(), kOp, "positions (query ", ps.query, ", kv ", ps.kv,
+                  ") place the query's positional dim in a longer sequence, but the call names none: pass ",
+                  "causal_query_spatial_dim or query_position_dim");
+    DIMATTN_CHECK(ps.query >= 0 && ps.kv >= 0, kOp, "positions must be >= 0, got query ", ps.query, ", kv ", ps.kv);
+    if (ps.query != ps.kv) {
+      const Tensor delta = scalar(static_cast<double>(ps.query - ps.kv), options_like(query, DType::int64));
+      causal_offset = causal_offset ? add(cast(*causal_offset, DType::int64), delta) : delta;
+    }
+  }
   int64_t window_left = -1, window_right = -1;
   if (o.window) {
     const AttentionWindow& w = *o.window;
@@ -227,11 +241,13 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
                      .value_feature = value_feature,
                      .scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(o.key_dim.extent()))),
                      .causal = causal,
-                     .causal_offset = o.causal_offset,
+                     .causal_offset = causal_offset,
                      .dropout = dropout_on ? o.att_dropout : 0.0,
                      .dropout_broadcast = o.att_dropout_broadcast,
                      .dropout_seed = dropout_on ? next_random_seed() : 0,
                      .dropout_offset = 0,
+                     .dropout_q_position = o.positions ? o.positions->query : 0,
+                     .dropout_kv_position = o.positions ? o.positions->kv : 0,
                      .window_left = window_left,
                      .window_right = window_right,
                      .softcap = o.softcap.value_or(0.0),

@@ -1,7 +1,9 @@
 // dot_attention_backward: gradients through the backend's fused backward
-// (Backend::attention_backward) for backends without autograd (Eigen).
+// (Backend::attention_backward) for backends without autograd (Eigen); and
+// the blocks of a longer attention with their gradients (dot_attention_block).
 #include "dimattn/attention.h"
 #include "dimattn/ext/backend.h"
+#include "dimattn/internal/check.h"
 #include "attention_roles.h"
 #include "op_util.h"
 
@@ -20,21 +22,51 @@ Tensor to_input_dims(const Tensor& g, const Tensor& like, const AttentionCall& c
   return copy_transpose(out, like.dims());
 }
 
-}  // namespace
-
-AttentionGrads dot_attention_backward(const Tensor& query, const Tensor& keys, const Tensor& values,
-                                      const AttentionOptions& opts, const Tensor& grad_output) {
-  const char* op = "dot_attention_backward";
-  const auto [c, dummy] = prepare(query, keys, values, opts);
+// The one backward of dot_attention_backward and dot_attention_block_backward.
+AttentionGrads backward(const char* op, const Tensor& query, const Tensor& keys, const Tensor& values,
+                        const AttentionOptions& opts, const AttentionBlock* merged, const Tensor& grad_output) {
+  // Not a structured binding: clang 14 (the fuzz build) cannot capture one in a lambda.
+  const Prepared prepared = prepare(query, keys, values, opts);
+  const AttentionCall& c = prepared.call;
+  const bool dummy = prepared.dummy;
   common_backend(op, {&query, &grad_output});
-  const Tensor dout = dummy ? expand_dim(grad_output, c.query_spatial) : grad_output;
-  AttentionCallGrads g = query.backend().attention_backward(c, dout);
+  auto with_step = [&](const Tensor& t) { return dummy ? expand_dim(t, c.query_spatial) : t; };
+  std::optional<AttentionBlockResult> m;
+  if (merged) {
+    DIMATTN_CHECK(!c.sinks, op, "blocks of a longer attention cannot have sinks (each block's lse would count them)");
+    common_backend(op, {&query, &merged->output, &merged->lse});
+    m = AttentionBlockResult{with_step(merged->output), with_step(merged->lse)};
+  }
+  AttentionCallGrads g = query.backend().attention_backward(c, with_step(grad_output), m ? &*m : nullptr);
   if (dummy) g.query = squeeze(g.query, c.query_spatial);
   AttentionGrads out{to_input_dims(g.query, query, c, opts.axis), to_input_dims(g.keys, keys, c, opts.axis),
                      to_input_dims(g.values, values, c, opts.axis), std::nullopt};
   if (opts.sinks && g.sinks) out.sinks = copy_transpose(*g.sinks, opts.sinks->dims());  // not for the off-by-one sink
   if (opts.bias && g.bias) out.bias = to_input_dims(*g.bias, *opts.bias, c, opts.axis);
   return out;
+}
+
+}  // namespace
+
+AttentionGrads dot_attention_backward(const Tensor& query, const Tensor& keys, const Tensor& values,
+                                      const AttentionOptions& opts, const Tensor& grad_output) {
+  return backward("dot_attention_backward", query, keys, values, opts, nullptr, grad_output);
+}
+
+AttentionGrads dot_attention_block_backward(const Tensor& query, const Tensor& keys, const Tensor& values,
+                                            const AttentionOptions& opts, const AttentionBlock& merged,
+                                            const Tensor& grad_output) {
+  return backward("dot_attention_block_backward", query, keys, values, opts, &merged, grad_output);
+}
+
+AttentionBlock dot_attention_block(const Tensor& query, const Tensor& keys, const Tensor& values,
+                                   const AttentionOptions& opts) {
+  const char* op = "dot_attention_block";
+  const auto [c, dummy] = prepare(query, keys, values, opts);
+  DIMATTN_CHECK(!c.sinks, op, "blocks of a longer attention cannot have sinks (each block's lse would count them)");
+  AttentionBlockResult r = query.backend().attention_block(c);
+  if (dummy) return {squeeze(r.output, c.query_spatial), squeeze(r.lse, c.query_spatial)};
+  return {r.output, r.lse};
 }
 
 }  // namespace dimattn

@@ -22,8 +22,10 @@ Tensor attention_dropout_keep_mask(const AttentionCall& c, const Tensor& like) {
   const int64_t nk = c.kv_spatial.extent();
   if (c.dropout_broadcast) {
     std::vector<double> keep(nk);
-    for (int64_t k = 0; k < nk; ++k)
-      keep[k] = rule.keeps(kernels::dropout_words_broadcast(c.dropout_seed, offset, static_cast<uint32_t>(k)).v[k & 3]);
+    for (int64_t k = 0; k < nk; ++k) {
+      const auto kp = static_cast<uint32_t>(k + c.dropout_kv_position);
+      keep[k] = rule.keeps(kernels::dropout_words_broadcast(c.dropout_seed, offset, kp).v[kp & 3]);
+    }
     return from_host({c.kv_spatial}, keep, detail::options_like(like, DType::boolean));
   }
   Dims flat = c.batch;
@@ -36,10 +38,12 @@ Tensor attention_dropout_keep_mask(const AttentionCall& c, const Tensor& like) {
   size_t i = 0;
   for (int64_t bh = 0; bh < nbh; ++bh)
     for (int64_t q = 0; q < nq; ++q)
-      for (int64_t k = 0; k < nk; ++k)
-        keep[i++] = rule.keeps(kernels::dropout_words(c.dropout_seed, offset, static_cast<uint32_t>(bh),
-                                                      static_cast<uint32_t>(q), static_cast<uint32_t>(k))
-                                   .v[k & 3]);
+      for (int64_t k = 0; k < nk; ++k) {
+        const auto qp = static_cast<uint32_t>(q + c.dropout_q_position);
+        const auto kp = static_cast<uint32_t>(k + c.dropout_kv_position);
+        keep[i++] = rule.keeps(
+            kernels::dropout_words(c.dropout_seed, offset, static_cast<uint32_t>(bh), qp, kp).v[kp & 3]);
+      }
   Dims dims = flat;
   dims.push_back(c.query_spatial);
   dims.push_back(c.kv_spatial);

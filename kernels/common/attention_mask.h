@@ -55,9 +55,9 @@ struct Range {
 // The mask of one batch entry.
 struct EntryMask {
   int64_t q_len, kv_len;
-  int64_t offset;  // causal offset, clamped to [-seqlen_q - 1, seqlen_k]
+  int64_t offset;  // causal offset, clamped to [-2^61, 2^61]
   bool causal;
-  int64_t left = -1, right = -1;  // window bounds, clamped to <= seqlen_q + seqlen_k + 1; < 0 = none
+  int64_t left = -1, right = -1;  // window bounds, clamped to <= 2^61; < 0 = none
 
   DIMATTN_HD int64_t lo(int64_t i) const {
     if (left < 0) return 0;
@@ -90,10 +90,11 @@ struct EntryMask {
 };
 
 // The mask of batch entry b from a params struct's per-entry arrays (nullptr
-// = full length, offset 0). Clamping the offset keeps i + offset + 1 from
-// overflowing without changing any mask: offset >= seqlen_k allows every
-// position, offset <= -seqlen_q - 1 none; window bounds past
-// seqlen_q + seqlen_k + 1 bound nothing either.
+// = full length, offset 0). Clamping the offset to +-2^61 and the window
+// bounds to 2^61 keeps i + offset + right + 1 from overflowing; neither is
+// clamped to the call's extents, because windows and ALiBi measure from the
+// true diagonal (a block of a longer sequence has offsets far beyond its own
+// seqlen_k, and a window bound past seqlen_q + seqlen_k may still bound it).
 DIMATTN_HD EntryMask entry_mask(const int64_t* q_lengths, const int64_t* kv_lengths, const int64_t* causal_offset,
                                 bool causal, int64_t seqlen_q, int64_t seqlen_k, int64_t b, int64_t window_left = -1,
                                 int64_t window_right = -1) {
@@ -102,10 +103,10 @@ DIMATTN_HD EntryMask entry_mask(const int64_t* q_lengths, const int64_t* kv_leng
   m.kv_len = kv_lengths ? kv_lengths[b] : seqlen_k;
   m.causal = causal;
   const int64_t off = causal_offset ? causal_offset[b] : 0;
-  m.offset = off < -seqlen_q - 1 ? -seqlen_q - 1 : off > seqlen_k ? seqlen_k : off;
-  const int64_t far = seqlen_q + seqlen_k + 1;
-  m.left = window_left > far ? far : window_left;
-  m.right = window_right > far ? far : window_right;
+  constexpr int64_t kFar = int64_t{1} << 61;
+  m.offset = off < -kFar ? -kFar : off > kFar ? kFar : off;
+  m.left = window_left > kFar ? kFar : window_left;
+  m.right = window_right > kFar ? kFar : window_right;
   return m;
 }
 

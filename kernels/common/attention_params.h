@@ -22,9 +22,11 @@
 // and a boolean mask (the `mask` field) may forbid more elements.
 //
 // Dropout: the keep decision of element (b, h, i, j) is
-//   dropout_uniform(seed, rng_offset, b * heads + h, i, j) >= dropout_p
-// or dropout_uniform_broadcast(seed, rng_offset, j) >= dropout_p when
-// dropout_broadcast (kernels/common/philox.h). b * heads + h is philox.h's flat
+//   dropout_uniform(seed, rng_offset, b * heads + h, qp + i, kp + j) >= dropout_p
+// or dropout_uniform_broadcast(seed, rng_offset, kp + j) >= dropout_p when
+// dropout_broadcast (kernels/common/philox.h), qp and kp being
+// dropout_q_position and dropout_kv_position (0 unless the call is a block of
+// a longer sequence). b * heads + h is philox.h's flat
 // `bh` index when the caller flattens its batch dims (then keys-only dims, then
 // query groups) row-major into `batch` and `heads` in that order. Kept weights
 // are scaled by 1 / (1 - dropout_p); the softmax normaliser and lse are those
@@ -137,6 +139,12 @@ struct AttentionKernelParams {
   bool dropout_broadcast = false;
   uint64_t seed = 0;
   uint32_t rng_offset = 0;  // philox.h keys the counter with 32 bits
+  // Where row 0 and kv position 0 lie in the sequence whose dropout mask this
+  // call draws (a block of a longer sequence: context parallelism): element
+  // (b, h, i, j) is keyed by query position dropout_q_position + i and kv
+  // position dropout_kv_position + j. pre: both >= 0 and every keyed
+  // position < 2^32.
+  int64_t dropout_q_position = 0, dropout_kv_position = 0;
 
   // Variants, in this order (docs/numerics.md): scores s = scale * q . k;
   // soft-capping; + bias + ALiBi; masks (lengths, causal, window, mask);
@@ -343,6 +351,11 @@ inline std::string AttentionKernelParams::validate(bool backward, ElementTypeSet
     if (batch * heads > kMax || seqlen_q > kMax || seqlen_k > kMax)
       return op + "dropout keys batch * heads, seqlen_q and seqlen_k with 32 bits each, got " +
              std::to_string(batch * heads) + ", " + std::to_string(seqlen_q) + ", " + std::to_string(seqlen_k);
+    if (dropout_q_position < 0 || dropout_kv_position < 0 || dropout_q_position + seqlen_q > kMax ||
+        dropout_kv_position + seqlen_k > kMax)
+      return op + "dropout positions [" + std::to_string(dropout_q_position) + ", +" + std::to_string(seqlen_q) +
+             ") x [" + std::to_string(dropout_kv_position) + ", +" + std::to_string(seqlen_k) +
+             ") must lie in [0, 2^32): dropout keys positions with 32 bits";
   }
   return {};
 }

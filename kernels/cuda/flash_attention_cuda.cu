@@ -65,6 +65,8 @@ DeviceParams device_params(const AttentionKernelParams& p) {
   d.dropout_broadcast = p.dropout_broadcast;
   d.seed = p.seed;
   d.rng_offset = p.rng_offset;
+  d.q_position = static_cast<uint32_t>(p.dropout_q_position);
+  d.kv_position = static_cast<uint32_t>(p.dropout_kv_position);
   d.rule = dropout_rule(p.dropout_p);  // the rule of every path
   d.keep_scale = static_cast<float>(d.rule.keep_scale);
   d.window_left = p.window_left;

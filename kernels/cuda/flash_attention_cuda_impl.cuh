@@ -70,6 +70,7 @@ struct DeviceParams {
   bool dropout, dropout_broadcast;
   uint64_t seed;
   uint32_t rng_offset;
+  uint32_t q_position, kv_position;  // attention_params.h's dropout_q/kv_position
   DropoutRule rule;  // common/attention_mask.h's keep rule
   float keep_scale;  // rule.keep_scale in float32
   // Variants (attention_params.h): window bounds (< 0 = none), the soft cap
@@ -126,23 +127,26 @@ __device__ inline uint32_t philox_lane(const Philox4& r, uint32_t lane) {
   return lane == 0 ? r.v[0] : lane == 1 ? r.v[1] : lane == 2 ? r.v[2] : r.v[3];
 }
 
-// The Philox words of kv positions 4 * (j / 4) .. + 3 of row (bh, i).
-__device__ inline Philox4 dropout_words_of(const DeviceParams& p, uint32_t bh, uint32_t i, uint32_t j) {
-  return p.dropout_broadcast ? dropout_words_broadcast(p.seed, p.rng_offset, j)
-                             : dropout_words(p.seed, p.rng_offset, bh, i, j);
+// The Philox words of kv positions 4 * (jp / 4) .. + 3 of row (bh, i), for
+// the keyed kv position jp (the call's j + kv_position).
+__device__ inline Philox4 dropout_words_of(const DeviceParams& p, uint32_t bh, uint32_t i, uint32_t jp) {
+  return p.dropout_broadcast ? dropout_words_broadcast(p.seed, p.rng_offset, jp)
+                             : dropout_words(p.seed, p.rng_offset, bh, i + p.q_position, jp);
 }
 
-// Random bits of elements (bh, i, j) and (bh, i, j + 1). pre: j even (both
-// share one counter).
+// Random bits of elements (bh, i, j) and (bh, i, j + 1). pre: j even. Both
+// share one counter unless kv_position is odd and the pair straddles two.
 __device__ inline void dropout_bits_pair(const DeviceParams& p, uint32_t bh, uint32_t i, uint32_t j, uint32_t& b0,
                                          uint32_t& b1) {
-  const Philox4 r = dropout_words_of(p, bh, i, j);
-  b0 = philox_lane(r, j & 3);
-  b1 = philox_lane(r, (j + 1) & 3);
+  const uint32_t jp = j + p.kv_position;
+  const Philox4 r = dropout_words_of(p, bh, i, jp);
+  b0 = philox_lane(r, jp & 3);
+  b1 = (jp & 3) == 3 ? philox_lane(dropout_words_of(p, bh, i, jp + 1), 0) : philox_lane(r, (jp + 1) & 3);
 }
 
 __device__ inline uint32_t dropout_bits(const DeviceParams& p, uint32_t bh, uint32_t i, uint32_t j) {
-  return philox_lane(dropout_words_of(p, bh, i, j), j & 3);
+  const uint32_t jp = j + p.kv_position;
+  return philox_lane(dropout_words_of(p, bh, i, jp), jp & 3);
 }
 
 // 1 or 0: whether dropout keeps an element. The rescale 1 / (1 - p) is not

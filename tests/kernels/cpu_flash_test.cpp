@@ -799,28 +799,32 @@ TEST(CpuFlash, FiniteDifferences) {
 // path's rules, written out here independently of it.
 
 TEST(AttentionMask, RowRangesAreTheReferenceRules) {
-  // Reference: row i attends j iff i < q_len, j < kv_len and (causal => j <= i + offset).
+  // Reference: row i attends j iff i < q_len, j < kv_len, (causal => j <= i + offset)
+  // and (a window's left bound => j >= i + offset - left). Offsets and bounds
+  // far beyond the extents occur in blocks of a longer sequence.
   constexpr int64_t Tq = 9, Tk = 11;
   const int64_t offsets[] = {0,  3,  -2, -9, -10, -11, 10, 11, 500, -500, std::numeric_limits<int64_t>::max(),
                              std::numeric_limits<int64_t>::min()};
   int64_t checked = 0;
   for (bool causal : {false, true})
+    for (int64_t left : {int64_t{-1}, int64_t{2}, int64_t{30}, int64_t{495}, std::numeric_limits<int64_t>::max()})
     for (int64_t q_len : {int64_t{0}, int64_t{4}, Tq})
       for (int64_t kv_len : {int64_t{0}, int64_t{1}, int64_t{6}, Tk})
         for (int64_t off : offsets) {
           const int64_t ql[1] = {q_len}, kl[1] = {kv_len}, of[1] = {off};
-          const EntryMask m = entry_mask(ql, kl, of, causal, Tq, Tk, 0);
+          const EntryMask m = entry_mask(ql, kl, of, causal, Tq, Tk, 0, left);
           for (int64_t i = 0; i < Tq + 2; ++i) {
             for (int64_t j = 0; j < Tk; ++j) {
-              const bool want = i < q_len && j < kv_len &&
-                                (!causal || static_cast<__int128>(j) <= static_cast<__int128>(i) + off);
+              const __int128 diag = static_cast<__int128>(i) + off;
+              const bool want = i < q_len && j < kv_len && (!causal || j <= diag) && (left < 0 || j >= diag - left);
               ASSERT_EQ(m.allowed(i, j), want) << "causal=" << causal << " q_len=" << q_len << " kv_len=" << kv_len
-                                               << " offset=" << off << " i=" << i << " j=" << j;
+                                               << " offset=" << off << " left=" << left << " i=" << i << " j=" << j;
               // The rows attending j are exactly rows_reaching(j) (pre: j < kv_len).
               if (j < kv_len) ASSERT_EQ(m.rows_reaching(j).contains(i), want) << "rows_reaching, i=" << i << " j=" << j;
               ++checked;
             }
-            ASSERT_LE(m.row(i).lo, std::max<int64_t>(m.row(i).hi, 0));
+            // Without a window lo is 0; with one an empty row may have lo > hi.
+            if (left < 0) ASSERT_LE(m.row(i).lo, std::max<int64_t>(m.row(i).hi, 0));
           }
         }
   EXPECT_GT(checked, 10000);

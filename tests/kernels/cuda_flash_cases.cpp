@@ -47,6 +47,14 @@ std::vector<CudaKernelCase> cuda_kernel_cases() {
       add({.name = "all_variants_gqa_dropout", .H = 8, .Hkv = 2, .Tq = 130, .causal = true, .kv_lens = {130, 97},
            .offsets = {0, -9}, .p = 0.2, .window_left = 50, .softcap = 3.0, .alibi = true, .sinks = true,
            .bias = true, .mask = true});
+      // A block of a longer sequence (context parallelism): its causal offset
+      // beyond its own extents, an odd first kv position for dropout's keys
+      // (a pair of columns straddles two Philox counters), windows and ALiBi
+      // measured from the global diagonal.
+      add({.name = "block_of_a_sequence", .causal = true, .offsets = {250, 251}, .p = 0.3, .window_left = 300,
+           .alibi = true, .q_position = 387, .kv_position = 137});
+      add({.name = "block_broadcast_dropout", .offsets = {-50, 0}, .p = 0.4, .broadcast = true, .window_left = 20,
+           .window_right = 20, .q_position = 11, .kv_position = 61});
       add({.name = "bias_mask_gqa", .H = 8, .Hkv = 2, .causal = true, .kv_lens = {130, 61}, .offsets = {30, 2},
            .bias = true, .mask = true});
       if (D == 64) {
@@ -176,9 +184,10 @@ Oracle oracle(const CudaKernelCase& c, const std::vector<double>& qkv, const std
           P[j] = std::exp(s[j] - mx) / l;
           Z[j] = 1;
           if (c.p > 0) {
-            const double u = c.broadcast ? dropout_uniform_broadcast(7, 3, static_cast<uint32_t>(j))
-                                         : dropout_uniform(7, 3, static_cast<uint32_t>(bh), static_cast<uint32_t>(i),
-                                                           static_cast<uint32_t>(j));
+            // Keyed at the element's place in the sequence (q_position + i, kv_position + j).
+            const auto qi = static_cast<uint32_t>(c.q_position + i), kj = static_cast<uint32_t>(c.kv_position + j);
+            const double u = c.broadcast ? dropout_uniform_broadcast(7, 3, kj)
+                                         : dropout_uniform(7, 3, static_cast<uint32_t>(bh), qi, kj);
             Z[j] = u >= c.p ? rule.keep_scale : 0;
             // The kernel's weights before normalisation are exp(s - max).
             if (std::exp(s[j] - mx) * Z[j] > 65504) ++o.kept_overflowing;
@@ -340,6 +349,8 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   p.dropout_broadcast = c.broadcast;
   p.seed = 7;
   p.rng_offset = 3;
+  p.dropout_q_position = c.q_position;
+  p.dropout_kv_position = c.kv_position;
   p.window_left = c.window_left;
   p.window_right = c.window_right;
   p.softcap = c.softcap;

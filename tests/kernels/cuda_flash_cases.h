@@ -42,6 +42,9 @@ struct CudaKernelCase {
   // (true with probability 3/4; every 7th row of entry 0 all false), read
   // through per-(b, h) plane offsets.
   bool bias = false, mask = false;
+  // The call as a block of a longer sequence: dropout keys row q_position + i
+  // and kv position kv_position + j (attention_params.h).
+  int64_t q_position = 0, kv_position = 0;
 };
 
 // GoogleTest prints a case by its name.

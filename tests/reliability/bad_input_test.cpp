@@ -309,6 +309,26 @@ const std::map<std::string, ErrorCase>& error_cases() {
           o.mask = compare(from_host({Dim("other", 2)}, {1, 0}, e.f32), Compare::gt, 0.5);
           dot_attention(e.q, e.k, e.v, o);
         }}},
+      // --- blocks of a longer sequence ---
+      {"positions_without_position",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.positions = AttentionPositions{3, 0};
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"positions_negative",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.query_position_dim = e.time;
+          o.positions = AttentionPositions{-1, 0};
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"block_with_sinks",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.sinks = from_host({e.batch}, {0.5, 0.5}, e.f32);
+          dot_attention_block(e.q, e.k, e.v, o);
+        }}},
       {"causal_offset_not_integer",
        {[](const Ex& e) {
           dot_attention(e.q, e.k, e.v,

@@ -40,6 +40,16 @@ struct AttentionWindow {
   std::optional<int64_t> left, right;
 };
 
+// Where a call lies in a longer sequence when it computes one block of it
+// (context parallelism, docs/distributed.md): the query's positional row i is
+// position query + i, kv position j is kv + j. Causal masks, windows and
+// ALiBi compare these positions (the causal offset gains query - kv), and
+// dropout keys its mask by them, so the blocks of a sequence draw exactly
+// the mask of the one call over all of it.
+struct AttentionPositions {
+  int64_t query = 0, kv = 0;
+};
+
 struct AttentionOptions {
   Dim key_dim;  // feature dim shared by query and keys, reduced in q·k
   Dim axis;     // the keys/values spatial dim attended over
@@ -86,6 +96,10 @@ struct AttentionOptions {
   // A bool mask over dims as for `bias`: true = may attend. Combined with
   // every other mask; a row left without any position gives 0.
   std::optional<Tensor> mask;
+  // This call as one block of a longer sequence (AttentionPositions).
+  // Needs a positional query dim (causal_query_spatial_dim or
+  // query_position_dim) or self-attention's axis.
+  std::optional<AttentionPositions> positions;
 };
 
 Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& opts);
@@ -103,6 +117,30 @@ struct AttentionGrads {
 };
 AttentionGrads dot_attention_backward(const Tensor& query, const Tensor& keys, const Tensor& values,
                                       const AttentionOptions& opts, const Tensor& grad_output);
+
+// Context parallelism's building blocks (docs/distributed.md): a call as one
+// block of a longer attention — its kv positions a part of the sequence, its
+// place given by opts.positions — computed by dimattn's CPU kernel on the
+// Eigen and torch backends (CPU tensors; not yet CUDA), outside autograd.
+// `output` is dot_attention's result for the block; `lse` the log-sum-exp of
+// each query row's energies after every mask (natural log, float32, float64
+// for float64 calls; -inf for a row the block leaves empty) over the output's
+// dims without the value features. Blocks over disjoint kv positions merge
+// exactly: lse = log(sum_b exp(lse_b)), output = sum_b exp(lse_b - lse) output_b.
+// Not with sinks (the sink would join every block's denominator).
+struct AttentionBlock {
+  Tensor output, lse;
+};
+AttentionBlock dot_attention_block(const Tensor& query, const Tensor& keys, const Tensor& values,
+                                   const AttentionOptions& opts);
+// The gradients of one block: `merged` holds the merged output and lse for
+// the block's query rows (dims as dot_attention_block's), grad_output the
+// gradient of the merged output. Summed over the blocks (each kv block's own
+// keys and values) they are the merged attention's gradients. With dropout,
+// reset the seed as for dot_attention_backward.
+AttentionGrads dot_attention_block_backward(const Tensor& query, const Tensor& keys, const Tensor& values,
+                                            const AttentionOptions& opts, const AttentionBlock& merged,
+                                            const Tensor& grad_output);
 
 // The reference path materialises energies and weights ([batch..., query
 // rows, kv] in float32 or wider). A call whose energy tensor would exceed this

@@ -14,6 +14,7 @@ struct DropoutSpec {
   bool on = false, broadcast = false;
   uint64_t seed = 0;
   uint32_t offset = 0;
+  int64_t q_position = 0, kv_position = 0;  // of row 0 and kv position 0 (attention_params.h)
   DropoutRule rule;
   A keep_scale = 1;  // rule.keep_scale in the accumulation type
 
@@ -22,27 +23,33 @@ struct DropoutSpec {
         broadcast(p.dropout_broadcast),
         seed(p.seed),
         offset(p.rng_offset),
+        q_position(p.dropout_q_position),
+        kv_position(p.dropout_kv_position),
         rule(dropout_rule(p.dropout_p)),
         keep_scale(static_cast<A>(rule.keep_scale)) {}
 
-  // z[c] = keep(bh, q, j0 + c) ? kept : 0 for c < n. pre: j0 % 4 == 0.
+  // z[c] = keep(bh, q, j0 + c) ? kept : 0 for c < n (the call's rows and
+  // kv positions, keyed at their positions).
   void row_factors(uint32_t bh, uint32_t q, int64_t j0, int64_t n, A kept, A* z) const {
-    factors(dropout_stream(seed, offset, bh, q), j0, n, kept, z);
+    factors(dropout_stream(seed, offset, bh, static_cast<uint32_t>(q + q_position)), j0 + kv_position, n, kept, z);
   }
   // Broadcast dropout: the same factors for every row.
   void broadcast_factors(int64_t j0, int64_t n, A kept, A* z) const {
-    factors(dropout_stream_broadcast(seed, offset), j0, n, kept, z);
+    factors(dropout_stream_broadcast(seed, offset), j0 + kv_position, n, kept, z);
   }
 
  private:
-  // Positions [j0, j0 + n) of the stream.
+  // Positions [j0, j0 + n) of the stream; j0 need not be a multiple of 4
+  // (a block's first kv position may be any): the words are drawn from the
+  // counter of j0's group and the first j0 % 4 lanes skipped.
   void factors(const DropoutStream& st, int64_t j0, int64_t n, A kept, A* z) const {
     constexpr int64_t kChunk = 256;
-    alignas(32) uint32_t bits[kChunk];
+    alignas(32) uint32_t bits[kChunk + 4];
+    const int64_t skip = j0 & 3;
     for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
       const int64_t len = std::min(kChunk, n - c0);
-      philox_bits(st.key, static_cast<uint32_t>((j0 + c0) >> 2), st.c1, st.c2, st.c3, (len + 3) / 4, bits);
-      for (int64_t c = 0; c < len; ++c) z[c0 + c] = rule.keeps(bits[c]) ? kept : A(0);
+      philox_bits(st.key, static_cast<uint32_t>((j0 + c0) >> 2), st.c1, st.c2, st.c3, (len + skip + 3) / 4, bits);
+      for (int64_t c = 0; c < len; ++c) z[c0 + c] = rule.keeps(bits[skip + c]) ? kept : A(0);
     }
   }
 };

@@ -38,6 +38,10 @@ struct AttentionCall {
   bool dropout_broadcast = false;
   uint64_t dropout_seed = 0;
   uint64_t dropout_offset = 0;
+  // Dropout keys query_spatial position i as dropout_q_position + i and kv
+  // position j as dropout_kv_position + j (AttentionOptions::positions; the
+  // causal offset already holds their difference).
+  int64_t dropout_q_position = 0, dropout_kv_position = 0;
   // Variants (AttentionOptions; order in docs/numerics.md). With a window or
   // ALiBi, query_spatial is the query's positional dim. Negative window
   // bounds are unbounded. alibi_slopes and sinks are float tensors over a
@@ -61,6 +65,16 @@ struct AttentionCall {
 // applies attention dropout uses this mask or the same Philox function.
 // pre: call.dropout > 0.
 Tensor attention_dropout_keep_mask(const AttentionCall& call, const Tensor& like);
+
+// One call computed as a block of a longer attention (Backend::attention_block):
+// its output (over the call's output dims) and the log-sum-exp of each query
+// row's energies (natural log; over the output's dims without value_feature;
+// float32, float64 for float64 calls; -inf for a row that attends nothing).
+// Blocks over disjoint kv ranges merge exactly through the lse
+// (docs/distributed.md).
+struct AttentionBlockResult {
+  Tensor output, lse;
+};
 
 // Gradients of one call's output with respect to its query, keys and values
 // (Backend::attention_backward): each over the dims of the role tensor it

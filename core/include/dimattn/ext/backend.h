@@ -120,11 +120,20 @@ class Backend {
   // path); returns the output (dims as AttentionCall says).
   // pre: plan = plan_attention(call) on this backend.
   Tensor run_attention(const AttentionCall& call, const AttentionPlan& plan);
+  // The call as one block of a longer attention: its output and lse through
+  // a fused kernel that gives the lse (dot_attention_block). Default:
+  // throws, naming the backend.
+  virtual AttentionBlockResult attention_block(const AttentionCall& call);
   // Gradients of the call's output with respect to query, keys and values
   // for an upstream gradient over the output's dims, through a fused kernel:
-  // for backends without autograd (dot_attention_backward). Recomputes the
-  // forward pass. Default: throws, naming the backend.
-  virtual AttentionCallGrads attention_backward(const AttentionCall& call, const Tensor& grad_output);
+  // for backends without autograd (dot_attention_backward), and for blocks
+  // of a longer attention on any backend. `merged` null: recomputes the
+  // forward pass; else the call is one block and `merged` holds the output
+  // and lse of the whole attention for the call's query rows (their
+  // gradients summed over the blocks are the whole attention's).
+  // Default: throws, naming the backend.
+  virtual AttentionCallGrads attention_backward(const AttentionCall& call, const Tensor& grad_output,
+                                                const AttentionBlockResult* merged);
   // The names of attention_table()'s kernels on a device, in priority order.
   std::vector<std::string> attention_kernels(Device device) const;
 };

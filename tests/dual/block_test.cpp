@@ -1,0 +1,159 @@
+// dot_attention_block and dot_attention_block_backward: a call cut into
+// blocks (query chunks x kv chunks, placed by AttentionOptions::positions)
+// and merged through the lse equals the whole call — output and gradients,
+// dropout, windows and ALiBi included — on every backend with a CPU kernel.
+// The building blocks of context parallelism (docs/distributed.md).
+#include "dimattn/attention.h"
+#include "dimattn/forcing.h"
+#include "dimattn/ops.h"
+#include "dimattn/run_context.h"
+#include "support/test_util.h"
+
+namespace dimattn {
+namespace {
+
+struct Variant {
+  const char* name;
+  bool causal;
+  double dropout;
+  bool window_alibi;
+};
+
+TEST(Blocks, MergedBlocksEqualTheWholeCall) {
+  const std::vector<Variant> variants = {{"plain", false, 0.0, false},       {"causal", true, 0.0, false},
+                                         {"dropout", false, 0.3, false},     {"causal dropout", true, 0.3, false},
+                                         {"window + ALiBi", true, 0.0, true}, {"window + ALiBi, no causal", false, 0, true}};
+  const std::vector<std::pair<int64_t, int64_t>> q_chunks = {{0, 4}, {4, 10}}, kv_chunks = {{0, 3}, {3, 7}, {7, 10}};
+  int ran = 0, backends = 0;
+  for (const std::string backend : {"eigen", "torch"}) {
+    if (!has_backend(backend)) continue;
+    ++backends;
+    for (const Variant& var : variants) {
+      SCOPED_TRACE(backend + ", " + var.name);
+      const TensorOptions o64{.dtype = DType::float64, .backend = backend};
+      Dim batch("batch", 2), heads("heads", 2), time("time", 10), feat("feat", 8), vfeat("vfeat", 4);
+      const Tensor q = random_normal({batch, heads, time, feat}, 1, o64);
+      const Tensor k = random_normal({batch, heads, time, feat}, 2, o64);
+      const Tensor v = random_normal({batch, heads, time, vfeat}, 3, o64);
+      const Tensor dout = random_normal({batch, heads, time, vfeat}, 4, o64);
+      auto options = [&](const Dim& qd, const Dim& kd) {
+        AttentionOptions o{.key_dim = feat, .axis = kd, .att_dropout = var.dropout};
+        if (var.causal) o.causal_query_spatial_dim = qd;
+        else o.query_position_dim = qd;
+        if (var.window_alibi) {
+          o.window = AttentionWindow{.left = 3};
+          o.alibi_slopes = from_host({heads}, {0.5, 0.25}, o64);
+        }
+        return o;
+      };
+      const TrainFlagScope train(true);
+      // The whole call: its output through the reference path, its gradients
+      // through the backend's fused backward, from one seed.
+      set_random_seed(5);
+      const Tensor whole = [&] {
+        const ForceKernels force("reference");
+        return dot_attention(q, k, v, options(time, time));
+      }();
+      set_random_seed(5);
+      const AttentionGrads g = dot_attention_backward(q, k, v, options(time, time), dout);
+
+      std::vector<Tensor> dk_parts, dv_parts;
+      for (const auto& [ks, ke] : kv_chunks) {
+        Dim kd("kv", ke - ks);
+        dk_parts.push_back(zeros({batch, heads, kd, feat}, o64));
+        dv_parts.push_back(zeros({batch, heads, kd, vfeat}, o64));
+      }
+      for (const auto& [qs, qe] : q_chunks) {
+        const auto [qc, qd] = slice(q, time, qs, qe);
+        const Tensor dout_c = slice(dout, time, qs, qe, qd).first;
+        // The forward blocks of this query chunk, merged through the lse.
+        std::vector<AttentionBlock> blocks;
+        std::vector<std::pair<Tensor, Tensor>> kvs;
+        std::vector<AttentionOptions> opts;
+        for (const auto& [ks, ke] : kv_chunks) {
+          const auto [kc, kd] = slice(k, time, ks, ke);
+          const Tensor vc = slice(v, time, ks, ke, kd).first;
+          AttentionOptions o = options(qd, kd);
+          o.positions = AttentionPositions{qs, ks};
+          set_random_seed(5);
+          blocks.push_back(dot_attention_block(qc, kc, vc, o));
+          kvs.emplace_back(kc, vc);
+          opts.push_back(o);
+        }
+        Tensor top = blocks[0].lse;
+        for (const AttentionBlock& b : blocks) top = maximum(top, b.lse);  // every row has a finite block here
+        Tensor sum = zeros(top.dims(), o64);
+        for (const AttentionBlock& b : blocks) sum = sum + exp(b.lse - top);
+        const Tensor lse = top + log(sum);
+        Tensor out = zeros({batch, heads, qd, vfeat}, o64);
+        for (const AttentionBlock& b : blocks) out = out + exp(b.lse - lse) * b.output;
+        EXPECT_LT(testing::max_abs_diff(out, slice(whole, time, qs, qe, qd).first, out.dims()), 1e-10) << "output";
+
+        Tensor dq = zeros(qc.dims(), o64);
+        for (size_t b = 0; b < blocks.size(); ++b) {
+          set_random_seed(5);
+          const AttentionGrads gb =
+              dot_attention_block_backward(qc, kvs[b].first, kvs[b].second, opts[b], {out, lse}, dout_c);
+          dq = dq + gb.query;
+          // This chunk's kv dim is a slice of its own: renamed to the part's.
+          dk_parts[b] = dk_parts[b] + replace_dim(gb.keys, opts[b].axis, dk_parts[b].dims()[2]);
+          dv_parts[b] = dv_parts[b] + replace_dim(gb.values, opts[b].axis, dv_parts[b].dims()[2]);
+        }
+        EXPECT_LT(testing::max_abs_diff(dq, slice(g.query, time, qs, qe, qd).first, dq.dims()), 1e-10) << "d(query)";
+      }
+      for (size_t b = 0; b < kv_chunks.size(); ++b) {
+        const Dim kd = dk_parts[b].dims()[2];
+        const auto [ks, ke] = kv_chunks[b];
+        EXPECT_LT(testing::max_abs_diff(dk_parts[b], slice(g.keys, time, ks, ke, kd).first, dk_parts[b].dims()), 1e-10)
+            << "d(keys) block " << b;
+        EXPECT_LT(testing::max_abs_diff(dv_parts[b], slice(g.values, time, ks, ke, kd).first, dv_parts[b].dims()),
+                  1e-10)
+            << "d(values) block " << b;
+      }
+      ++ran;
+    }
+  }
+  if (ran == 0) GTEST_SKIP() << "no backend with a CPU kernel";
+  EXPECT_EQ(ran, backends * static_cast<int>(variants.size()));
+}
+
+// Dropout keyed by positions: the blocks of one sequence draw the single
+// call's mask, so a block placed elsewhere draws another.
+TEST(Blocks, PositionsKeyTheDropoutMask) {
+  if (!has_backend("eigen")) GTEST_SKIP();
+  const TensorOptions o64{.dtype = DType::float64, .backend = "eigen"};
+  Dim time("time", 8), feat("feat", 4), vfeat("vfeat", 4);
+  const Tensor x = random_normal({time, feat}, 1, o64), v = random_normal({time, vfeat}, 2, o64);
+  const TrainFlagScope train(true);
+  auto run = [&](int64_t q, int64_t kv) {
+    AttentionOptions o{.key_dim = feat, .axis = time, .att_dropout = 0.5, .query_position_dim = time};
+    o.positions = AttentionPositions{q, kv};
+    set_random_seed(5);
+    return dot_attention_block(x, x, v, o).output;
+  };
+  EXPECT_EQ(testing::max_abs_diff(run(3, 3), run(3, 3), {time, vfeat}), 0.0);
+  EXPECT_GT(testing::max_abs_diff(run(3, 3), run(0, 0), {time, vfeat}), 1e-3) << "positions do not key the mask";
+}
+
+TEST(Blocks, BadInputIsAnError) {
+  if (!has_backend("eigen")) GTEST_SKIP();
+  const TensorOptions eo{.backend = "eigen"};
+  Dim time("time", 4), feat("feat", 8), heads("heads", 2);
+  const Tensor x = random_normal({heads, time, feat}, 1, eo);
+  std::string msg = testing::error_of([&] {
+    AttentionOptions o{.key_dim = feat, .axis = time};
+    o.positions = AttentionPositions{4, 0};
+    dot_attention_block(x, x, x, o);
+  });
+  EXPECT_NE(msg.find("causal_query_spatial_dim or query_position_dim"), std::string::npos) << msg;
+  msg = testing::error_of([&] {
+    AttentionOptions o{.key_dim = feat, .axis = time, .query_position_dim = time};
+    o.sinks = from_host({heads}, {0.1, 0.2}, eo);
+    dot_attention_block(x, x, x, o);
+  });
+  EXPECT_EQ(msg.rfind("[dot_attention_block]", 0), 0u) << msg;
+  EXPECT_NE(msg.find("sinks"), std::string::npos) << msg;
+}
+
+}  // namespace
+}  // namespace dimattn
