@@ -99,6 +99,12 @@ CallSpec parse_call_spec(std::string_view text) {
           key == "alibi" ? s.alibi : key == "sinks" ? s.sinks : key == "bias" ? s.bias : s.mask;
       t = AuxTensorSpec{index, std::move(over)};
     } else if (key == "sink_off_by_one") s.sink_off_by_one = value == "1";
+    else if (key == "positions") {
+      const size_t colon = value.find(':');
+      if (colon == std::string::npos) bad(entry, "expected QUERY:KV");
+      s.positions = {to_int(entry, std::string_view(value).substr(0, colon)),
+                     to_int(entry, std::string_view(value).substr(colon + 1))};
+    }
     else bad(entry, "unknown key '" + std::string(key) + "'");
   }
   if (s.key_dim.empty() || s.axis.empty()) bad(text, "key_dim and axis are required");

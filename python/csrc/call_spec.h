@@ -11,7 +11,7 @@
 //   causal=time;causal_offset=1:batch;dropout=0.1;broadcast=1;train=1;seed=4;
 //   scale=0.125;force=reference;size.x=4;query_position=time;window=128:;
 //   softcap=50.0;alibi=2:heads;sinks=3:heads;sink_off_by_one=1;
-//   bias=5:heads,time,kv;mask=6:batch,kv
+//   bias=5:heads,time,kv;mask=6:batch,kv;positions=128:64
 //
 // Entries are separated by ';', the key ends at the first '='. Lists are
 // comma-separated names. "dyn.NAME=I:d1,d2" makes NAME a dynamic dim whose
@@ -23,13 +23,15 @@
 // "window=LEFT:RIGHT" (an empty side is unbounded), "softcap=X",
 // "alibi=I:dims" and "sinks=I:dims" (aux[I] over dims), "sink_off_by_one=1",
 // "bias=I:dims" (a float aux[I], AttentionOptions::bias) and "mask=I:dims"
-// (a bool aux[I], AttentionOptions::mask).
+// (a bool aux[I], AttentionOptions::mask); "positions=QUERY:KV"
+// (AttentionOptions::positions: the call as a block of a longer sequence).
 // Names hold no ';', ',', '=' or ':' (the Python side makes them so).
 #include <cstdint>
 #include <map>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace dimattn::python {
@@ -73,6 +75,7 @@ struct CallSpec {
   std::optional<AuxTensorSpec> alibi, sinks;
   bool sink_off_by_one = false;
   std::optional<AuxTensorSpec> bias, mask;
+  std::optional<std::pair<int64_t, int64_t>> positions;  // query, kv
 };
 
 // Throws dimattn::Error "[dimattn op] ..." for a malformed spec or an unknown

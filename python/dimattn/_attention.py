@@ -146,8 +146,9 @@ class _Call:
     the axis's lengths vary over a dim that is itself dynamic (a history whose
     length depends on batch and time), which dimattn's Dims do not take."""
 
-    def __init__(self, axis: Dim):
+    def __init__(self, axis: Dim, dynamic: Sequence[Dim] = ()):
         self.axis = axis
+        self.dynamic = dynamic  # more dims whose lengths cross (context parallelism's query blocks)
         self.dims: List[Dim] = []
         self.names: List[str] = []
         self.aux: List[torch.Tensor] = []
@@ -164,7 +165,7 @@ class _Call:
             name = f"{base}#{i}"
         self.dims.append(d)
         self.names.append(name)
-        if d is self.axis and d.lengths is not None:
+        if d.lengths is not None and (d is self.axis or _has(self.dynamic, d)):
             # The lengths' own dims get names first; then the entry.
             over = ",".join(self.name(e) for e in d.lengths.dims)
             self.aux.append(d.lengths.raw)
@@ -251,8 +252,12 @@ def _check_variants(window, softcap, alibi_slopes, sinks, bias=None, mask=None) 
 
 def _encode(query, keys, values, key_dim, axis, att_dropout, att_dropout_broadcast, causal_query_spatial_dim,
             causal_offset, scale, train, out_dims, energy_dims=None, *, query_position_dim=None, window=None,
-            softcap=None, alibi_slopes=None, sinks=None, sink_off_by_one=False, bias=None, mask=None):
-    c = _Call(axis)
+            softcap=None, alibi_slopes=None, sinks=None, sink_off_by_one=False, bias=None, mask=None,
+            positions=None, dynamic=(), seed=None):
+    """positions, dynamic, seed: for the blocks of context parallelism (the call's
+    place in the sequence, query dims whose lengths cross too, the dropout seed
+    shared by every block)."""
+    c = _Call(axis, dynamic)
     e = c.entries
     e.append("q=" + c.names_of(query.dims))
     e.append("k=" + c.names_of(keys.dims))
@@ -293,6 +298,8 @@ def _encode(query, keys, values, key_dim, axis, att_dropout, att_dropout_broadca
             e.append(f"{entry}={len(c.aux) - 1}:{over}")
     if sink_off_by_one:
         e.append("sink_off_by_one=1")
+    if positions is not None:
+        e.append(f"positions={int(positions[0])}:{int(positions[1])}")
     if att_dropout:
         e.append(f"dropout={float(att_dropout)!r}")
     if att_dropout_broadcast:
@@ -301,7 +308,7 @@ def _encode(query, keys, values, key_dim, axis, att_dropout, att_dropout_broadca
         e.append("train=1")
         if att_dropout:
             # From torch's generator: torch.manual_seed reproduces the mask.
-            c.aux.append(torch.randint(0, 2**62, (), dtype=torch.int64))
+            c.aux.append(torch.randint(0, 2**62, (), dtype=torch.int64) if seed is None else seed)
             e.append(f"seed={len(c.aux) - 1}")
     if scale is not None:
         e.append(f"scale={float(scale)!r}")
@@ -337,7 +344,7 @@ def dot_attention(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, 
                   window: Optional[Tuple[Optional[int], Optional[int]]] = None,
                   softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
                   sinks: Optional[Tensor] = None, sink_off_by_one: bool = False, bias: Optional[Tensor] = None,
-                  mask: Optional[Tensor] = None) -> Tensor:
+                  mask: Optional[Tensor] = None, context_parallel=None) -> Tensor:
     """Scaled dot-product attention over named dims (RETURNN's semantics, docs/python.md).
 
     query ``{..., key_dim}``, keys ``{..., axis, key_dim}``, values ``{..., axis, v_feat...}``;
@@ -360,8 +367,19 @@ def dot_attention(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, 
     the query's own dims, keys-only dims and ``axis`` (the kv position; in
     self-attention give keys and values a dim of their own for a bias over both
     positions).
+
+    ``context_parallel=dimattn.ContextParallel(group, sharding, strategy)``: the
+    sequence along ``axis`` (self-attention) is split across the group's ranks; each
+    passes its shard and gets its shard of the output (docs/distributed.md).
     """
     train = _state.train if train is None else bool(train)
+    if context_parallel is not None:
+        from ._context_parallel import attention
+        return attention(query, keys, values, key_dim=key_dim, axis=axis, att_dropout=att_dropout,
+                         att_dropout_broadcast=att_dropout_broadcast, causal_query_spatial_dim=causal_query_spatial_dim,
+                         causal_offset=causal_offset, scale=scale, train=train, query_position_dim=query_position_dim,
+                         window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                         sink_off_by_one=sink_off_by_one, bias=bias, mask=mask, cp=context_parallel)
     _check_variants(window, softcap, alibi_slopes, sinks, bias, mask)
     variants = dict(query_position_dim=query_position_dim, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                     sinks=sinks, sink_off_by_one=sink_off_by_one, bias=bias, mask=mask)
