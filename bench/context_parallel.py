@@ -86,16 +86,20 @@ def main():
     ring = results.get()
 
     t_local = args.T // args.world
-    kv_bytes = 2 * args.B * args.H * t_local * args.D * 4  # keys and values, float32
-    fwd_bytes = (args.world - 1) * kv_bytes
-    bwd_bytes = (args.world - 1) * kv_bytes + args.world * kv_bytes  # k, v; then dk, dv (float32) every step
+    kv_bytes = 2 * args.B * args.H * t_local * args.D * 4  # one rank's keys and values, float32
+    fwd_bytes = (args.world - 1) * kv_bytes  # ring: N - 1 shards passed on; all_gather: N - 1 shards gathered
+    # Backward: k, v once more, then dk, dv (float32: kv_bytes per rank) — passed
+    # on at each of the N ring steps, or one all-reduce whose payload is every
+    # rank's (all_gather).
+    bwd_bytes = (args.world - 1) * kv_bytes + args.world * kv_bytes
     med_single, med_ring = statistics.median(single[1:]), statistics.median(ring[1:])
     print(f"causal self-attention B={args.B} H={args.H} T={args.T} D={args.D} float32, forward + backward, "
           f"{args.world} ranks ({args.sharding}, {args.strategy}) vs 1 process with {args.world} threads")
     print(f"  1 process : median {med_single * 1e3:.1f} ms  (runs {', '.join(f'{x * 1e3:.0f}' for x in single)})")
     print(f"  {args.world} ranks   : median {med_ring * 1e3:.1f} ms  (runs {', '.join(f'{x * 1e3:.0f}' for x in ring)})")
     print(f"  ratio ranks / single: {med_ring / med_single:.2f}x")
-    print(f"  sent per rank per step: forward {fwd_bytes / 2**20:.2f} MiB, backward {bwd_bytes / 2**20:.2f} MiB")
+    what = "sent per rank" if args.strategy == "ring" else "gathered per rank, then all-reduce payload"
+    print(f"  {what} per step: forward {fwd_bytes / 2**20:.2f} MiB, backward {bwd_bytes / 2**20:.2f} MiB")
 
 
 if __name__ == "__main__":
