@@ -135,6 +135,35 @@ TEST(Blocks, PositionsKeyTheDropoutMask) {
   EXPECT_GT(testing::max_abs_diff(run(3, 3), run(0, 0), {time, vfeat}), 1e-3) << "positions do not key the mask";
 }
 
+// The reference path keys a block's dropout as the kernels do: a call placed
+// by positions (odd, so the kernels' first group of four is unaligned) draws
+// one mask on both.
+TEST(Blocks, ReferenceAndKernelDrawOneMaskForABlock) {
+  int ran = 0;
+  for (const std::string backend : {"eigen", "torch"}) {
+    if (!has_backend(backend)) continue;
+    const TensorOptions o64{.dtype = DType::float64, .backend = backend};
+    Dim batch("batch", 2), heads("heads", 3), tq("tq", 7), tk("tk", 13), feat("feat", 8), vfeat("vfeat", 4);
+    const Tensor q = random_normal({batch, heads, tq, feat}, 1, o64);
+    const Tensor k = random_normal({batch, heads, tk, feat}, 2, o64), v = random_normal({batch, heads, tk, vfeat}, 3, o64);
+    const TrainFlagScope train(true);
+    for (const bool broadcast : {false, true}) {
+      AttentionOptions o{.key_dim = feat, .axis = tk, .att_dropout = 0.4, .att_dropout_broadcast = broadcast,
+                         .causal_query_spatial_dim = tq};
+      o.positions = AttentionPositions{.query = 21, .kv = 5};
+      auto run = [&](const char* kernel) {
+        const ForceKernels force(kernel);
+        set_random_seed(9);
+        return dot_attention(q, k, v, o);
+      };
+      EXPECT_LT(testing::max_abs_diff(run("reference"), run("cpu_flash"), {batch, heads, tq, vfeat}), 1e-12)
+          << backend << (broadcast ? " broadcast" : "");
+      ++ran;
+    }
+  }
+  if (ran == 0) GTEST_SKIP() << "no backend with cpu_flash";
+}
+
 TEST(Blocks, BadInputIsAnError) {
   if (!has_backend("eigen")) GTEST_SKIP();
   const TensorOptions eo{.backend = "eigen"};
