@@ -217,8 +217,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     // Variants (docs/api.md), from the input's last bytes (zeros: none):
     // a positional dim, a window, soft-capping, ALiBi slopes and sinks over
     // any dims of the pool (valid ones mostly over the query's), a bias and a
-    // bool mask over any dims.
-    const int variants = in.ConsumeIntegralInRange<int>(0, 127);
+    // bool mask over any dims, positions (a block of a longer sequence;
+    // negative ones are bad).
+    const int variants = in.ConsumeIntegralInRange<int>(0, 255);
     auto maybe_bound = [&]() -> std::optional<int64_t> {
       const int b = in.ConsumeIntegralInRange<int>(0, 6);
       return b == 6 ? std::nullopt : std::optional<int64_t>(b - 1);  // -1 (bad) .. 4, or unbounded
@@ -260,6 +261,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       const Tensor u = testing::random_operand(dims, 14, DType::float32, be);
       o.mask = in.ConsumeIntegralInRange<int>(0, 7) == 7 ? u : compare(u, Compare::gt, -0.67);
     }
+    if (variants & 128)
+      o.positions = AttentionPositions{in.ConsumeIntegralInRange<int64_t>(-1, 40),
+                                       in.ConsumeIntegralInRange<int64_t>(-1, 40)};
 
     describe_call = [=] {
       return "backend " + be + " q" + repr(qd) + " k" + repr(kd) + " v" + repr(vd) + " dtype " + dtype_name(dt) + "/" +
@@ -277,7 +281,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                      " softcap " + (o.softcap ? std::to_string(*o.softcap) : "-") + " alibi " +
                      (o.alibi_slopes ? o.alibi_slopes->repr() : "-") + " sinks " +
                      (o.sinks ? o.sinks->repr() : o.sink_off_by_one ? "off-by-one" : "-") + " bias " +
-                     (o.bias ? o.bias->repr() : "-") + " mask " + (o.mask ? o.mask->repr() : "-");
+                     (o.bias ? o.bias->repr() : "-") + " mask " + (o.mask ? o.mask->repr() : "-") + " positions " +
+                     (o.positions ? std::to_string(o.positions->query) + "," + std::to_string(o.positions->kv) : "-");
     };
 
     // Any dims, any dtype (integer operands drawn as floats and cast): the
@@ -375,8 +380,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       int64_t len = nk;
       if (hlen) len = static_cast<int64_t>(hlen->at(idx));
-      // The diagonal of row i: i + offset along the positional dim.
-      const int64_t diag = position ? idx.at(*position) + (hoff ? static_cast<int64_t>(hoff->at(idx)) : 0) : 0;
+      // The diagonal of row i: i + offset along the positional dim (a block
+      // of a longer sequence: its rows and kv positions shifted by positions).
+      const int64_t shift = o.positions ? o.positions->query - o.positions->kv : 0;
+      const int64_t diag =
+          position ? idx.at(*position) + (hoff ? static_cast<int64_t>(hoff->at(idx)) : 0) + shift : 0;
       std::vector<double> e;
       std::vector<int64_t> js;
       for (int64_t j = 0; j < nk; ++j) {
