@@ -32,6 +32,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <optional>
@@ -257,13 +258,14 @@ class DimTable {
 };
 
 struct Call {
-  Call(std::shared_ptr<const CallPlan> p, at::TensorList aux) : plan(std::move(p)), spec(*plan->spec), table(plan, aux) {}
+  Call(std::shared_ptr<const CallPlan> p, at::TensorList aux)
+      : plan(std::move(p)), spec(*plan->spec), table(plan, aux), opts{table[spec.key_dim], table[spec.axis]} {}
 
   std::shared_ptr<const CallPlan> plan;  // holds the spec
   const CallSpec& spec;
   DimTable table;
   std::optional<Tensor> q, k, v;
-  AttentionOptions opts{Dim("unset", 0), Dim("unset", 0)};
+  AttentionOptions opts;
 };
 
 Call make_call(c10::string_view spec_text, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -274,8 +276,6 @@ Call make_call(c10::string_view spec_text, const at::Tensor& q, const at::Tensor
   c.q = from_aten(q, t.operand(c.plan->q, s.q));
   c.k = from_aten(k, t.operand(c.plan->k, s.k));
   c.v = from_aten(v, t.operand(c.plan->v, s.v));
-  c.opts.key_dim = t[s.key_dim];
-  c.opts.axis = t[s.axis];
   c.opts.att_dropout = s.dropout;
   c.opts.att_dropout_broadcast = s.broadcast;
   if (s.causal) c.opts.causal_query_spatial_dim = t[*s.causal];
@@ -313,16 +313,18 @@ class RunScope {
 // x's data with its dims in the order `names` gives, as a new contiguous
 // tensor that aliases no input (a custom op's output must not).
 at::Tensor in_order(const Tensor& x, const std::vector<std::string>& names, const DimTable& t, const char* what,
-                    const std::vector<const at::Tensor*>& inputs) {
+                    std::initializer_list<const at::Tensor*> inputs) {
   std::vector<int64_t> perm;
+  bool in_place = true;  // already in that order (usual: the kernel's output is laid out as asked)
   for (const std::string& n : names) {
     const int axis = x.axis_of(t[n]);
     if (axis < 0) fail(std::string(what) + " has dims " + repr(x.dims()) + ", not " + join(names));
+    in_place = in_place && axis == static_cast<int>(perm.size());
     perm.push_back(axis);
   }
   if (static_cast<int>(perm.size()) != x.rank())
     fail(std::string(what) + " has dims " + repr(x.dims()) + ", not " + join(names));
-  at::Tensor out = to_aten(x).permute(perm).contiguous();
+  at::Tensor out = (in_place ? to_aten(x) : to_aten(x).permute(perm)).contiguous();
   for (const at::Tensor* in : inputs)
     if (out.is_alias_of(*in)) return out.clone();
   return out;
