@@ -478,6 +478,12 @@ class DotAttentionFunction : public torch::autograd::Function<DotAttentionFuncti
 
 at::Tensor dot_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   at::TensorList aux, c10::string_view spec) {
+  // Nothing to record (inference): straight to the device kernel.
+  auto device_kernel = [&] {
+    const at::AutoDispatchBelowADInplaceOrView below;
+    return dot_attention_op_handle().call(q, k, v, aux, spec);
+  };
+  if (!at::GradMode::is_enabled()) return device_kernel();
   const CallSpec& s = parsed(spec);
   std::array<std::optional<at::Tensor>, 2> learned;  // sinks, bias
   bool any_grad = q.requires_grad() || k.requires_grad() || v.requires_grad();
@@ -487,11 +493,7 @@ at::Tensor dot_attention_autograd(const at::Tensor& q, const at::Tensor& k, cons
       learned[i] = aux_at(aux, (*learning[i])->index);
       any_grad = any_grad || learned[i]->requires_grad();
     }
-  if (!at::GradMode::is_enabled() || !any_grad) {
-    // Nothing to record (inference): straight to the device kernel.
-    const at::AutoDispatchBelowADInplaceOrView below;
-    return dot_attention_op_handle().call(q, k, v, aux, spec);
-  }
+  if (!any_grad) return device_kernel();
   return DotAttentionFunction::apply(q, k, v, learned[0], learned[1], aux.vec(), std::string(spec));
 }
 

@@ -323,6 +323,8 @@ _forward_eager = getattr(_forward, "_op", _forward)
 _encodings: dict = {}
 _ENCODINGS_KEPT = 256
 _PLAIN_OFFSETS = (type(None), int)  # causal_offset types whose calls are cached
+_is_compiling = torch.compiler.is_compiling  # one global lookup, not two attributes, per call
+_new_tensor = object.__new__
 
 
 def _raise_as_error(err: RuntimeError):
@@ -368,7 +370,7 @@ def dot_attention(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, 
     state = _state
     if (window is None and softcap is None and alibi_slopes is None and sinks is None and bias is None
             and mask is None and query_position_dim is None and not sink_off_by_one and not state.traces
-            and type(causal_offset) in _PLAIN_OFFSETS and not torch.compiler.is_compiling()):
+            and type(causal_offset) in _PLAIN_OFFSETS and not _is_compiling()):
         # The common eager call (no variant, no trace): one lookup of the
         # encoding that the path below cached for the same Dims and options.
         try:
@@ -386,7 +388,9 @@ def dot_attention(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, 
                 out = _forward_eager(query.raw, keys.raw, values.raw, aux, spec)
             except RuntimeError as err:
                 _raise_as_error(err)
-            return Tensor._trusted(out, out_dims)
+            result = _new_tensor(Tensor)  # Tensor._trusted without its call
+            result.raw, result.dims = out, out_dims
+            return result
     train = _state.train if train is None else bool(train)
     _check_variants(window, softcap, alibi_slopes, sinks, bias, mask)
     variants = dict(query_position_dim=query_position_dim, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
