@@ -108,6 +108,13 @@ struct CallPlan {
       names.push_back(name);
       dims.push_back(is_dynamic(c, name) ? placeholder : Dim(name, size));
     }
+    // A dynamic dim in no tensor (an axis the keys lack): its extent comes
+    // from its lengths, and dot_attention's checks name it.
+    for (const DynamicDimSpec& d : c.dynamic)
+      if (!sizes.count(d.name)) {
+        names.push_back(d.name);
+        dims.push_back(placeholder);
+      }
     // Dynamic dims once the dims of their lengths exist (a history dim's
     // lengths may vary over another dynamic dim).
     std::vector<bool> ready(names.size(), true);

@@ -4,6 +4,7 @@ every call, a spec met with other sizes gets its own Dims, dropout draws a new s
 per call, and threads do not share plans."""
 import threading
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -89,3 +90,13 @@ def test_threads_get_their_own_plans():
     for th in threads:
         th.join()
     assert not errors, errors
+
+
+def test_dynamic_axis_in_no_operand_keeps_its_message():
+    # The op's plan makes Dims from the tensors' shapes; a dynamic axis that no
+    # tensor has still reaches dot_attention's own check, named with its lengths.
+    batch, heads, feat, kv = da.Dim("batch", B), da.Dim("heads", H), da.Dim("feat", D), da.Dim("kv", T)
+    q, k = named([batch, heads, kv, feat], 1), named([batch, heads, kv, feat], 2)
+    other = da.Dim.dynamic("other", da.Tensor(torch.tensor([3, 2]), [batch]))
+    with pytest.raises(da.Error, match=r"axis other\[<=3 over batch\] is not in keys"):
+        da.dot_attention(q, k, k, key_dim=feat, axis=other)
