@@ -7,10 +7,11 @@
 //   dimattn::explain(query, keys, values, aux, spec) -> str
 //   dimattn::kernel_names() -> str[]
 //
-// Dims and options cross as the call spec (call_spec.h). Each op rebuilds the
-// call's Dims from it per call (cheap; names are unique per call, so one name
-// is one Dim) and runs the frontend's dot_attention on the torch backend over
-// the same memory (torch_interop.h), with dimattn's selection and kernels.
+// Dims and options cross as the call spec (call_spec.h). Each op makes the
+// call's Dims from it (names are unique per call, so one name is one Dim),
+// once per spec and shapes on each thread (CallPlan; dynamic dims per call),
+// and runs the frontend's dot_attention on the torch backend over the same
+// memory (torch_interop.h), with dimattn's selection and kernels.
 //
 // Autograd is a C++ kernel on the Autograd key, so that eager calls pay no
 // Python autograd wrapper. Backward is its own op (CPU and CUDA keys, and a
