@@ -647,7 +647,10 @@ Tensor from_aten(const at::Tensor& t, const Dims& dims) {
   }
   DType dtype = dimattn_dtype(t.scalar_type(), op);
   Device device = dimattn_device(t.device(), op);
-  return Tensor(dims, dtype, device, wrap(t), &get_backend("torch"));
+  // Backends are never unregistered: one lookup serves every call (the op
+  // makes three of these per call).
+  static Backend* const torch = &get_backend("torch");
+  return Tensor(dims, dtype, device, wrap(t), torch);
 }
 
 const at::Tensor& to_aten(const Tensor& x) {

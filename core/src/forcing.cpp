@@ -53,11 +53,20 @@ KernelForce parse_kernel_force(const std::string& spec) {
   // Parsed specs are kept (a program uses a few; a forcing scope per call,
   // as the Python op opens, would otherwise list every backend's kernels
   // each time). Only valid specs are kept: an unknown name stays an error.
+  // The thread's last one first, without the lock (the op forces the same
+  // kernels call after call).
+  thread_local std::string last_spec;
+  thread_local KernelForce last;
+  if (!last_spec.empty() && spec == last_spec) return last;
   static std::mutex mu;
   static std::map<std::string, KernelForce, std::less<>> parsed;
   {
     std::lock_guard lock(mu);
-    if (const auto it = parsed.find(spec); it != parsed.end()) return it->second;
+    if (const auto it = parsed.find(spec); it != parsed.end()) {
+      last_spec = spec;
+      last = it->second;
+      return it->second;
+    }
   }
   KernelForce f{false, {}};
   std::stringstream ss(spec);

@@ -176,7 +176,8 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
     DIMATTN_CHECK(std::isfinite(*o.softcap) && *o.softcap > 0, kOp, "softcap must be finite and > 0, got ",
                   *o.softcap, "; leave it unset for no soft-capping");
   // Slopes and sinks live on the call's per-(batch, head) dims.
-  const Dims per_head = union_dims(batch, union_dims(keys_only, query_only));
+  Dims per_head;  // only for the options that need it (a plain call makes no more vectors than it must)
+  if (o.alibi_slopes || o.sinks || o.bias || o.mask) per_head = union_dims(batch, union_dims(keys_only, query_only));
   auto check_per_head = [&](const Tensor& t, const char* what) {
     common_backend(kOp, {&query, &t});
     DIMATTN_CHECK(is_floating(t.dtype()), kOp, what, " must be a floating tensor, got ", t.repr());
@@ -226,19 +227,20 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
   };
   Dim query_spatial = dummy ? Dim("query_step", 1) : position ? *position : longest();
   if (dummy) q = expand_dim(q, query_spatial);
-  const Dims query_groups = without(query_only, {query_spatial});
+  Dims query_groups = without(query_only, {query_spatial});
 
   const bool dropout_on = train_flag() && o.att_dropout > 0;
-  AttentionCall call{.query = q,
-                     .keys = k,
-                     .values = v,
-                     .batch = batch,
-                     .keys_only = keys_only,
-                     .query_groups = query_groups,
+  // Moved, not copied: each Tensor and Dims copy is an allocation, per call.
+  AttentionCall call{.query = std::move(q),
+                     .keys = std::move(k),
+                     .values = std::move(v),
+                     .batch = std::move(batch),
+                     .keys_only = std::move(keys_only),
+                     .query_groups = std::move(query_groups),
                      .query_spatial = query_spatial,
                      .kv_spatial = kv_axis,
                      .key_dim = o.key_dim,
-                     .value_feature = value_feature,
+                     .value_feature = std::move(value_feature),
                      .scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(o.key_dim.extent()))),
                      .causal = causal,
                      .causal_offset = causal_offset,
@@ -253,10 +255,10 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
                      .softcap = o.softcap.value_or(0.0),
                      .alibi_slopes = o.alibi_slopes,
                      .sinks = o.sink_off_by_one ? std::optional<Tensor>(scalar(0.0, options_like(query))) : o.sinks,
-                     .bias = bias,
-                     .mask = mask};
+                     .bias = std::move(bias),
+                     .mask = std::move(mask)};
 
-  return {call, dummy};
+  return {std::move(call), dummy};
 }
 
 Decision explain_attention(const Tensor& query, const Tensor& keys, const Tensor& values,

@@ -40,7 +40,7 @@ Tensor replace_dim(const Tensor& x, const Dim& old_dim, const Dim& new_dim) {
         new_dim.repr());
   Dims dims = x.dims();
   dims[x.axis_of(old_dim)] = new_dim;
-  return with_raw(x, dims, x.raw());
+  return with_raw(x, std::move(dims), x.raw());
 }
 
 std::pair<Tensor, Dim> merge_dims(const Tensor& x, const Dims& dims, const std::optional<Dim>& out) {

@@ -11,10 +11,11 @@
 // The block ops compute one block of a longer attention (context
 // parallelism, python/dimattn/_context_parallel.py) outside autograd.
 //
-// Dims and options cross as the call spec (call_spec.h). Each op rebuilds the
-// call's Dims from it per call (cheap; names are unique per call, so one name
-// is one Dim) and runs the frontend's dot_attention on the torch backend over
-// the same memory (torch_interop.h), with dimattn's selection and kernels.
+// Dims and options cross as the call spec (call_spec.h). Each op makes the
+// call's Dims from it (names are unique per call, so one name is one Dim),
+// once per spec and shapes on each thread (CallPlan; dynamic dims per call),
+// and runs the frontend's dot_attention on the torch backend over the same
+// memory (torch_interop.h), with dimattn's selection and kernels.
 //
 // Autograd is a C++ kernel on the Autograd key, so that eager calls pay no
 // Python autograd wrapper. Backward is its own op (CPU and CUDA keys, and a
@@ -37,6 +38,9 @@
 
 #include <algorithm>
 #include <array>
+#include <initializer_list>
+#include <map>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -67,115 +71,224 @@ const at::Tensor& aux_at(at::TensorList aux, int i) {
   return aux[i];
 }
 
-// One call's Dims by name, built from the spec and the operands' shapes.
-class DimTable {
- public:
-  DimTable(const CallSpec& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-           at::TensorList aux) {
-    take_sizes("query", s.q, q);
-    take_sizes("keys", s.k, k);
-    take_sizes("values", s.v, v);
-    for (const DynamicDimSpec& d : s.dynamic) take_sizes("lengths of " + d.name, d.over, aux_at(aux, d.lengths));
-    if (s.causal_offset) take_sizes("causal_offset", s.causal_offset_dims, aux_at(aux, *s.causal_offset));
-    if (s.alibi) take_sizes("alibi_slopes", s.alibi->over, aux_at(aux, s.alibi->index));
-    if (s.sinks) take_sizes("sinks", s.sinks->over, aux_at(aux, s.sinks->index));
-    if (s.bias) take_sizes("bias", s.bias->over, aux_at(aux, s.bias->index));
-    if (s.mask) take_sizes("mask", s.mask->over, aux_at(aux, s.mask->index));
-    for (const auto& [name, size] : s.sizes) sizes_.try_emplace(name, size);
+// What a call's Dims are, from its spec and its tensors' shapes alone: each
+// dim's name, the static Dims, and how the dynamic ones are made. Checking
+// the shapes against the spec and making the Dims is most of the op's own
+// work on a small call, and a model makes the same few calls every step, so
+// plans are kept per thread (plan_for) and a repeated call reuses its Dims.
+// Only structure is kept: a dynamic dim's lengths are that call's aux tensor
+// and change per step, so dynamic Dims (and the operands' Dims that hold
+// one) are made per call (DimTable), never kept.
+struct CallPlan {
+  std::shared_ptr<const CallSpec> spec;
+  std::vector<std::string> names;  // slot -> name
+  Dims dims;                       // slot -> Dim; a placeholder in a dynamic dim's slot
+  struct Dynamic {
+    size_t slot;
+    int lengths;               // index into aux
+    std::vector<size_t> over;  // the lengths' dims
+    std::optional<int64_t> extent;
+  };
+  std::vector<Dynamic> dynamic;  // in an order that makes the dims of a dim's lengths first
+  Dims q, k, v;                  // the operands' Dims, for a call without dynamic dims
 
-    for (const auto& [name, size] : sizes_)
-      if (!is_dynamic(s, name)) dims_.emplace(name, Dim(name, size));
+  CallPlan(std::shared_ptr<const CallSpec> s, const at::Tensor& qt, const at::Tensor& kt, const at::Tensor& vt,
+           at::TensorList aux)
+      : spec(std::move(s)) {
+    const CallSpec& c = *spec;
+    std::map<std::string, int64_t> sizes;
+    take_sizes(sizes, "query", c.q, qt);
+    take_sizes(sizes, "keys", c.k, kt);
+    take_sizes(sizes, "values", c.v, vt);
+    for (const DynamicDimSpec& d : c.dynamic)
+      take_sizes(sizes, "lengths of " + d.name, d.over, aux_at(aux, d.lengths));
+    if (c.causal_offset) take_sizes(sizes, "causal_offset", c.causal_offset_dims, aux_at(aux, *c.causal_offset));
+    if (c.alibi) take_sizes(sizes, "alibi_slopes", c.alibi->over, aux_at(aux, c.alibi->index));
+    if (c.sinks) take_sizes(sizes, "sinks", c.sinks->over, aux_at(aux, c.sinks->index));
+    if (c.bias) take_sizes(sizes, "bias", c.bias->over, aux_at(aux, c.bias->index));
+    if (c.mask) take_sizes(sizes, "mask", c.mask->over, aux_at(aux, c.mask->index));
+    for (const auto& [name, size] : c.sizes) sizes.try_emplace(name, size);
+
+    static const Dim placeholder("dynamic", 0);
+    for (const auto& [name, size] : sizes) {
+      names.push_back(name);
+      dims.push_back(is_dynamic(c, name) ? placeholder : Dim(name, size));
+    }
+    // A dynamic dim in no tensor (an axis the keys lack): its extent comes
+    // from its lengths, and dot_attention's checks name it.
+    for (const DynamicDimSpec& d : c.dynamic)
+      if (!sizes.count(d.name)) {
+        names.push_back(d.name);
+        dims.push_back(placeholder);
+      }
     // Dynamic dims once the dims of their lengths exist (a history dim's
     // lengths may vary over another dynamic dim).
+    std::vector<bool> ready(names.size(), true);
+    for (const DynamicDimSpec& d : c.dynamic) ready[slot(d.name)] = false;
     std::vector<const DynamicDimSpec*> pending;
-    for (const DynamicDimSpec& d : s.dynamic) pending.push_back(&d);
+    for (const DynamicDimSpec& d : c.dynamic) pending.push_back(&d);
     while (!pending.empty()) {
       std::vector<const DynamicDimSpec*> later;
       for (const DynamicDimSpec* d : pending) {
-        bool ready = true;
-        for (const std::string& n : d->over) ready = ready && (dims_.count(n) || !is_dynamic(s, n));
-        if (!ready) {
+        Dynamic dyn{slot(d->name), d->lengths, {}, std::nullopt};
+        bool all = true;
+        for (const std::string& n : d->over) {
+          const size_t i = slot(n);
+          all = all && ready[i];
+          dyn.over.push_back(i);
+        }
+        if (!all) {
           later.push_back(d);
           continue;
         }
-        const Tensor lengths = from_aten(aux_at(aux, d->lengths), dims(d->over));
-        const auto size = sizes_.find(d->name);
-        dims_.insert_or_assign(d->name, Dim::dynamic(d->name, lengths, size == sizes_.end()
-                                                                          ? std::nullopt
-                                                                          : std::optional<int64_t>(size->second)));
+        if (const auto size = sizes.find(d->name); size != sizes.end()) dyn.extent = size->second;
+        ready[dyn.slot] = true;
+        dynamic.push_back(std::move(dyn));
       }
       if (later.size() == pending.size()) fail("the lengths of dynamic dim '" + later[0]->name + "' depend on each other");
       pending = std::move(later);
     }
+    if (dynamic.empty()) {
+      q = of(c.q);
+      k = of(c.k);
+      v = of(c.v);
+    }
   }
 
-  const Dim& operator[](const std::string& name) const {
-    const auto it = dims_.find(name);
-    if (it == dims_.end()) fail("dim '" + name + "' is in no operand and has no size");
-    return it->second;
+  // The slot of a dim of the call; fails naming it otherwise.
+  size_t slot(const std::string& name) const {
+    for (size_t i = 0; i < names.size(); ++i)
+      if (names[i] == name) return i;
+    fail("dim '" + name + "' is in no operand and has no size");
   }
+
+ private:
+  Dims of(const std::vector<std::string>& ns) const {
+    Dims out;
+    for (const std::string& n : ns) out.push_back(dims[slot(n)]);
+    return out;
+  }
+  static bool is_dynamic(const CallSpec& s, const std::string& name) {
+    for (const DynamicDimSpec& d : s.dynamic)
+      if (d.name == name) return true;
+    return false;
+  }
+  static void take_sizes(std::map<std::string, int64_t>& sizes, const std::string& what,
+                         const std::vector<std::string>& names, const at::Tensor& t) {
+    if (t.dim() != static_cast<int64_t>(names.size()))
+      fail(what + " has rank " + std::to_string(t.dim()) + " but " + std::to_string(names.size()) + " dims " +
+           join(names));
+    for (size_t i = 0; i < names.size(); ++i) {
+      const int64_t size = t.size(static_cast<int64_t>(i));
+      const auto [it, added] = sizes.try_emplace(names[i], size);
+      if (!added && it->second != size)
+        fail("dim '" + names[i] + "' has size " + std::to_string(size) + " in " + what + " but " +
+             std::to_string(it->second) + " elsewhere in the call");
+    }
+  }
+};
+
+// Specs and the plans made from them, per thread: a spec is parsed once, and
+// its plans are keyed by the shapes of the call's tensors (all a plan's
+// checks and sizes depend on). Lookups copy nothing: the spec by its text,
+// the shapes compared against a per-thread scratch key.
+struct SpecEntry {
+  std::shared_ptr<const CallSpec> spec;
+  std::vector<std::pair<std::vector<int64_t>, std::shared_ptr<const CallPlan>>> plans;  // oldest first
+};
+
+SpecEntry& spec_entry(c10::string_view text) {
+  thread_local std::map<std::string, SpecEntry, std::less<>> specs;
+  const auto it = specs.find(std::string_view(text.data(), text.size()));
+  if (it != specs.end()) return it->second;
+  // Plans and Calls hold their spec, so dropping the table frees only what
+  // no call uses.
+  if (specs.size() >= 256) specs.clear();
+  auto spec = std::make_shared<const CallSpec>(parse_call_spec(std::string_view(text.data(), text.size())));
+  return specs.emplace(std::string(text), SpecEntry{std::move(spec), {}}).first->second;
+}
+
+// The parsed spec; valid until this thread's next spec lookup.
+const CallSpec& parsed(c10::string_view text) { return *spec_entry(text).spec; }
+
+std::shared_ptr<const CallPlan> plan_for(c10::string_view text, const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, at::TensorList aux) {
+  SpecEntry& entry = spec_entry(text);
+  thread_local std::vector<int64_t> key;
+  key.clear();
+  auto add = [](const at::Tensor& t) {
+    key.push_back(t.dim());
+    for (const int64_t s : t.sizes()) key.push_back(s);
+  };
+  add(q);
+  add(k);
+  add(v);
+  key.push_back(static_cast<int64_t>(aux.size()));
+  for (const at::Tensor& t : aux) add(t);
+  for (auto it = entry.plans.rbegin(); it != entry.plans.rend(); ++it)
+    if (it->first == key) return it->second;
+  auto plan = std::make_shared<const CallPlan>(entry.spec, q, k, v, aux);  // throws for a bad call: nothing kept
+  if (entry.plans.size() >= 8) entry.plans.erase(entry.plans.begin());
+  entry.plans.emplace_back(key, plan);
+  return plan;
+}
+
+// One call's Dims by name: the plan's, with this call's dynamic dims.
+class DimTable {
+ public:
+  DimTable(std::shared_ptr<const CallPlan> plan, at::TensorList aux) : plan_(std::move(plan)) {
+    if (plan_->dynamic.empty()) return;
+    bound_ = plan_->dims;
+    Dims& dims = *bound_;
+    for (const CallPlan::Dynamic& d : plan_->dynamic) {
+      Dims over;
+      for (const size_t i : d.over) over.push_back(dims[i]);
+      dims[d.slot] = Dim::dynamic(plan_->names[d.slot], from_aten(aux_at(aux, d.lengths), over), d.extent);
+    }
+  }
+
+  const Dim& operator[](const std::string& name) const { return all()[plan_->slot(name)]; }
   Dims dims(const std::vector<std::string>& names) const {
     Dims out;
     for (const std::string& n : names) out.push_back((*this)[n]);
     return out;
   }
   bool has(const Dim& d) const {
-    const auto it = dims_.find(d.name());
-    return it != dims_.end() && it->second == d;
+    for (const Dim& e : all())
+      if (e == d) return true;
+    return false;
+  }
+  // The operands' Dims: the plan's own when no dim is dynamic.
+  Dims operand(const Dims& planned, const std::vector<std::string>& names) const {
+    return bound_ ? dims(names) : planned;
   }
 
  private:
-  static bool is_dynamic(const CallSpec& s, const std::string& name) {
-    for (const DynamicDimSpec& d : s.dynamic)
-      if (d.name == name) return true;
-    return false;
-  }
-  void take_sizes(const std::string& what, const std::vector<std::string>& names, const at::Tensor& t) {
-    if (t.dim() != static_cast<int64_t>(names.size()))
-      fail(what + " has rank " + std::to_string(t.dim()) + " but " + std::to_string(names.size()) + " dims " +
-           join(names));
-    for (size_t i = 0; i < names.size(); ++i) {
-      const int64_t size = t.size(static_cast<int64_t>(i));
-      const auto [it, added] = sizes_.try_emplace(names[i], size);
-      if (!added && it->second != size)
-        fail("dim '" + names[i] + "' has size " + std::to_string(size) + " in " + what + " but " +
-             std::to_string(it->second) + " elsewhere in the call");
-    }
-  }
+  const Dims& all() const { return bound_ ? *bound_ : plan_->dims; }
 
-  std::map<std::string, int64_t> sizes_;
-  std::map<std::string, Dim> dims_;
+  std::shared_ptr<const CallPlan> plan_;
+  std::optional<Dims> bound_;  // with this call's dynamic dims, for a call that has some
 };
 
 struct Call {
-  CallSpec spec;
-  std::optional<DimTable> table;
-  std::optional<Tensor> q, k, v;
-  AttentionOptions opts{Dim("unset", 0), Dim("unset", 0)};
-};
+  Call(std::shared_ptr<const CallPlan> p, at::TensorList aux)
+      : plan(std::move(p)), spec(*plan->spec), table(plan, aux), opts{table[spec.key_dim], table[spec.axis]} {}
 
-// A model makes the same few calls every step: their specs are parsed once
-// per thread.
-const CallSpec& parsed(c10::string_view text) {
-  thread_local std::map<std::string, CallSpec, std::less<>> specs;
-  const auto it = specs.find(text);
-  if (it != specs.end()) return it->second;
-  if (specs.size() >= 256) specs.clear();
-  return specs.emplace(std::string(text), parse_call_spec(text)).first->second;
-}
+  std::shared_ptr<const CallPlan> plan;  // holds the spec
+  const CallSpec& spec;
+  DimTable table;
+  std::optional<Tensor> q, k, v;
+  AttentionOptions opts;
+};
 
 Call make_call(c10::string_view spec_text, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                at::TensorList aux) {
-  Call c;
-  c.spec = parsed(spec_text);
+  Call c(plan_for(spec_text, q, k, v, aux), aux);
   const CallSpec& s = c.spec;
-  c.table.emplace(s, q, k, v, aux);
-  const DimTable& t = *c.table;
-  c.q = from_aten(q, t.dims(s.q));
-  c.k = from_aten(k, t.dims(s.k));
-  c.v = from_aten(v, t.dims(s.v));
-  c.opts.key_dim = t[s.key_dim];
-  c.opts.axis = t[s.axis];
+  const DimTable& t = c.table;
+  c.q = from_aten(q, t.operand(c.plan->q, s.q));
+  c.k = from_aten(k, t.operand(c.plan->k, s.k));
+  c.v = from_aten(v, t.operand(c.plan->v, s.v));
   c.opts.att_dropout = s.dropout;
   c.opts.att_dropout_broadcast = s.broadcast;
   if (s.causal) c.opts.causal_query_spatial_dim = t[*s.causal];
@@ -214,16 +327,18 @@ class RunScope {
 // x's data with its dims in the order `names` gives, as a new contiguous
 // tensor that aliases no input (a custom op's output must not).
 at::Tensor in_order(const Tensor& x, const std::vector<std::string>& names, const DimTable& t, const char* what,
-                    const std::vector<const at::Tensor*>& inputs) {
+                    std::initializer_list<const at::Tensor*> inputs) {
   std::vector<int64_t> perm;
+  bool in_place = true;  // already in that order (usual: the kernel's output is laid out as asked)
   for (const std::string& n : names) {
     const int axis = x.axis_of(t[n]);
     if (axis < 0) fail(std::string(what) + " has dims " + repr(x.dims()) + ", not " + join(names));
+    in_place = in_place && axis == static_cast<int>(perm.size());
     perm.push_back(axis);
   }
   if (static_cast<int>(perm.size()) != x.rank())
     fail(std::string(what) + " has dims " + repr(x.dims()) + ", not " + join(names));
-  at::Tensor out = to_aten(x).permute(perm).contiguous();
+  at::Tensor out = (in_place ? to_aten(x) : to_aten(x).permute(perm)).contiguous();
   for (const at::Tensor* in : inputs)
     if (out.is_alias_of(*in)) return out.clone();
   return out;
@@ -235,7 +350,7 @@ at::Tensor dot_attention_op(const at::Tensor& q, const at::Tensor& k, const at::
   const RunScope scope(c.spec, aux);
   at::NoGradGuard no_grad;
   const Tensor out = dot_attention(*c.q, *c.k, *c.v, c.opts);
-  return in_order(out, c.spec.out, *c.table, "the output", {&q, &k, &v});
+  return in_order(out, c.spec.out, c.table, "the output", {&q, &k, &v});
 }
 
 // The aux tensors that learn, in the order of the backward op's outputs after
@@ -271,7 +386,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dot_atten
   const Tensor out = dot_attention(*c.q, *c.k, *c.v, c.opts);
   const at::Tensor o = to_aten(out).permute([&] {
     std::vector<int64_t> perm;
-    for (const std::string& n : c.spec.out) perm.push_back(out.axis_of((*c.table)[n]));
+    for (const std::string& n : c.spec.out) perm.push_back(out.axis_of(c.table[n]));
     return perm;
   }());
   const torch::autograd::variable_list g = torch::autograd::grad(
@@ -302,9 +417,9 @@ std::tuple<at::Tensor, at::Tensor> dot_attention_trace_op(const at::Tensor& q, c
       int axis = -1;
       if (n == "'") {
         for (int i = 0; i < x.rank(); ++i)
-          if (!c.table->has(x.dims()[i])) axis = i;
+          if (!c.table.has(x.dims()[i])) axis = i;
       } else {
-        axis = x.axis_of((*c.table)[n]);
+        axis = x.axis_of(c.table[n]);
       }
       if (axis < 0) fail("the traced energy has dims " + repr(x.dims()) + ", not " + join(c.spec.energy));
       perm.push_back(axis);
@@ -353,8 +468,8 @@ std::tuple<at::Tensor, at::Tensor> dot_attention_block_op(const at::Tensor& q, c
   const RunScope scope(c.spec, aux);
   at::NoGradGuard no_grad;
   const AttentionBlock b = dot_attention_block(*c.q, *c.k, *c.v, c.opts);
-  return {in_order(b.output, c.spec.out, *c.table, "the output", {&q, &k, &v}),
-          in_order(b.lse, lse_names(c.spec), *c.table, "the lse", {&q, &k, &v})};
+  return {in_order(b.output, c.spec.out, c.table, "the output", {&q, &k, &v}),
+          in_order(b.lse, lse_names(c.spec), c.table, "the lse", {&q, &k, &v})};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dot_attention_block_backward_op(
@@ -363,14 +478,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dot_attention_block_backward_op(
   const Call c = make_call(spec, q, k, v, aux);
   const RunScope scope(c.spec, aux);
   at::NoGradGuard no_grad;
-  const DimTable& t = *c.table;
+  const DimTable& t = c.table;
   const Dims out_dims = t.dims(c.spec.out);
   const AttentionBlock merged{from_aten(out, out_dims), from_aten(lse, t.dims(lse_names(c.spec)))};
   const AttentionGrads g =
       dot_attention_block_backward(*c.q, *c.k, *c.v, c.opts, merged, from_aten(grad_out, out_dims));
-  const std::vector<const at::Tensor*> inputs{&grad_out, &q, &k, &v, &out, &lse};
-  return {in_order(g.query, c.spec.q, t, "d(query)", inputs), in_order(g.keys, c.spec.k, t, "d(keys)", inputs),
-          in_order(g.values, c.spec.v, t, "d(values)", inputs)};
+  return {in_order(g.query, c.spec.q, t, "d(query)", {&grad_out, &q, &k, &v, &out, &lse}),
+          in_order(g.keys, c.spec.k, t, "d(keys)", {&grad_out, &q, &k, &v, &out, &lse}),
+          in_order(g.values, c.spec.v, t, "d(values)", {&grad_out, &q, &k, &v, &out, &lse})};
 }
 
 // --- autograd ---
@@ -420,19 +535,22 @@ class DotAttentionFunction : public torch::autograd::Function<DotAttentionFuncti
 
 at::Tensor dot_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   at::TensorList aux, c10::string_view spec) {
-  const auto learning = learnable(parsed(spec));
-  std::array<std::optional<at::Tensor>, 2> learned;  // sinks, bias
-  bool any_grad = q.requires_grad() || k.requires_grad() || v.requires_grad();
-  for (size_t i = 0; i < learning.size(); ++i)
-    if (learning[i]) {
-      learned[i] = aux_at(aux, learning[i]->index);
-      any_grad = any_grad || learned[i]->requires_grad();
-    }
-  if (!at::GradMode::is_enabled() || !any_grad) {
-    // Nothing to record (inference): straight to the device kernel.
+  // Nothing to record (inference): straight to the device kernel.
+  auto device_kernel = [&] {
     const at::AutoDispatchBelowADInplaceOrView below;
     return dot_attention_op_handle().call(q, k, v, aux, spec);
-  }
+  };
+  if (!at::GradMode::is_enabled()) return device_kernel();
+  const CallSpec& s = parsed(spec);
+  std::array<std::optional<at::Tensor>, 2> learned;  // sinks, bias
+  bool any_grad = q.requires_grad() || k.requires_grad() || v.requires_grad();
+  const std::optional<AuxTensorSpec>* learning[2] = {&s.sinks, &s.bias};  // as learnable() orders them
+  for (size_t i = 0; i < learned.size(); ++i)
+    if (*learning[i]) {
+      learned[i] = aux_at(aux, (*learning[i])->index);
+      any_grad = any_grad || learned[i]->requires_grad();
+    }
+  if (!any_grad) return device_kernel();
   return DotAttentionFunction::apply(q, k, v, learned[0], learned[1], aux.vec(), std::string(spec));
 }
 

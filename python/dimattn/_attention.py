@@ -321,11 +321,17 @@ def _encode(query, keys, values, key_dim, axis, att_dropout, att_dropout_broadca
 
 
 _forward = ops.dot_attention.default
+# What OpOverload.__call__ calls, minus its Python frame: for the eager fast
+# path only (torch.compile traces _forward).
+_forward_eager = getattr(_forward, "_op", _forward)
 
 # Encodings of recent eager calls (dims and options -> spec, aux, result dims),
 # oldest first. Holds the Dims it was keyed by, so their ids stay unique.
 _encodings: dict = {}
 _ENCODINGS_KEPT = 256
+_PLAIN_OFFSETS = (type(None), int)  # causal_offset types whose calls are cached
+_is_compiling = torch.compiler.is_compiling  # one global lookup, not two attributes, per call
+_new_tensor = object.__new__
 
 
 def _raise_as_error(err: RuntimeError):
@@ -372,6 +378,31 @@ def dot_attention(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, 
     sequence along ``axis`` (self-attention) is split across the group's ranks; each
     passes its shard and gets its shard of the output (docs/distributed.md).
     """
+    state = _state
+    if (window is None and softcap is None and alibi_slopes is None and sinks is None and bias is None
+            and mask is None and query_position_dim is None and not sink_off_by_one and context_parallel is None
+            and not state.traces
+            and type(causal_offset) in _PLAIN_OFFSETS and not _is_compiling()):
+        # The common eager call (no variant, no trace): one lookup of the
+        # encoding that the path below cached for the same Dims and options.
+        try:
+            hit = _encodings.get((query.dims, keys.dims, values.dims, key_dim, axis, att_dropout,
+                                  att_dropout_broadcast, causal_query_spatial_dim, causal_offset, scale,
+                                  state.train if train is None else bool(train),
+                                  state.force[-1] if state.force else None))
+        except (AttributeError, TypeError):  # not dimattn.Tensors: the path below says so
+            hit = None
+        if hit is not None:
+            spec, aux, out_dims, seeded = hit
+            if seeded:  # a new seed per call, as _encode draws it
+                aux = aux + [torch.randint(0, 2**62, (), dtype=torch.int64)]
+            try:
+                out = _forward_eager(query.raw, keys.raw, values.raw, aux, spec)
+            except RuntimeError as err:
+                _raise_as_error(err)
+            result = _new_tensor(Tensor)  # Tensor._trusted without its call
+            result.raw, result.dims = out, out_dims
+            return result
     train = _state.train if train is None else bool(train)
     if context_parallel is not None:
         from ._context_parallel import attention
@@ -391,9 +422,11 @@ def dot_attention(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, 
         per_call = [t for t in (alibi_slopes, sinks, bias, mask) if t is not None]
         try:
             key = (query.dims, keys.dims, values.dims, key_dim, axis, att_dropout, att_dropout_broadcast,
-                   causal_query_spatial_dim, causal_offset, scale, train, _state.force[-1] if _state.force else None,
-                   query_position_dim, None if window is None else tuple(window), softcap, sink_off_by_one,
-                   *(None if t is None else t.dims for t in (alibi_slopes, sinks, bias, mask)))
+                   causal_query_spatial_dim, causal_offset, scale, train, _state.force[-1] if _state.force else None)
+            if per_call or query_position_dim is not None or window is not None or softcap is not None \
+                    or sink_off_by_one:  # else the key the fast path above looks up
+                key += (query_position_dim, None if window is None else tuple(window), softcap, sink_off_by_one,
+                        *(None if t is None else t.dims for t in (alibi_slopes, sinks, bias, mask)))
             hit = _encodings.get(key)
         except (AttributeError, TypeError):  # not dimattn.Tensors: the checks below say so
             key = hit = None
@@ -406,7 +439,7 @@ def dot_attention(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, 
             seeded = train and bool(att_dropout)
             if len(_encodings) >= _ENCODINGS_KEPT:
                 _encodings.pop(next(iter(_encodings)))
-            _encodings[key] = (spec, aux[:len(aux) - len(per_call) - seeded], out_dims, seeded)
+            _encodings[key] = (spec, aux[:len(aux) - len(per_call) - seeded], tuple(out_dims), seeded)
         elif hit is not None:
             spec, aux, out_dims, seeded = hit
             aux = aux + [t.raw for t in per_call]
