@@ -145,7 +145,7 @@ AttentionBlockResult cpu_flash_attention_block(Backend& be, const AttentionCall&
 
 AttentionCallGrads cpu_flash_attention_backward(Backend& be, const AttentionCall& c, const Tensor& grad_output,
                                                 const AttentionBlockResult* merged, const kernels::ParallelFor& pf) {
-  const char* op = "dot_attention_backward";
+  const char* op = merged ? "dot_attention_block_backward" : "dot_attention_backward";
   check_host_call(be, c, op);
   const KernelForm form = host_kernel_form(be, c);
   const FlashLayout& l = form.layout;

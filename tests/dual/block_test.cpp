@@ -182,6 +182,16 @@ TEST(Blocks, BadInputIsAnError) {
   });
   EXPECT_EQ(msg.rfind("[dot_attention_block]", 0), 0u) << msg;
   EXPECT_NE(msg.find("sinks"), std::string::npos) << msg;
+  // A merged result over other dims than the block's output.
+  msg = testing::error_of([&] {
+    AttentionOptions o{.key_dim = feat, .axis = time, .query_position_dim = time};
+    const Dim other("other", 3);
+    dot_attention_block_backward(x, x, x, o, {random_normal({heads, other, feat}, 2, eo), zeros({heads, other}, eo)},
+                                 random_normal({heads, time, feat}, 3, eo));
+  });
+  EXPECT_EQ(msg.rfind("[dot_attention_block_backward]", 0), 0u) << msg;
+  EXPECT_NE(msg.find("the merged output has dims"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("other[3]"), std::string::npos) << msg;
 }
 
 }  // namespace
