@@ -216,8 +216,10 @@ class _Ring:
             self.ranges = [[(starts[r], starts[r] + sizes[r])] for r in range(world)]
         self.sizes = sizes
         self.seed = gathered[0][1].clone() if seeded else None
+        self._encodings = {}  # per (query range, kv range): _encode's result
         # The output's dims: those of one block with its query chunk named axis.
-        self.out_dims = self._block_dims(self.ranges[self.rank][0], self.ranges[self.rank][0])[4]
+        qd, *_, block_out = self._block_dims(self.ranges[self.rank][0], self.ranges[self.rank][0])
+        self.out_dims = [self.axis if d is qd else d for d in block_out]
 
     # --- one block ---
 
@@ -228,30 +230,31 @@ class _Ring:
         return Dim.dynamic(name, Tensor((lengths.raw - start).clamp(0, end - start), lengths.dims))
 
     def _block_dims(self, q_range, kv_range):
+        """A block's query and kv chunk dims, its operands' dims (as empty
+        tensors) and its output's dims."""
+        from . import _attention as a
         qd = self._chunk_dim(self.axis.name, *q_range)
         kd = self._chunk_dim(self.axis.name + "_kv", *kv_range)
-        rename = lambda dims, new: [new if d is self.axis else d for d in dims]  # noqa: E731
-        from . import _attention as a
-        qt = Tensor._trusted(torch.empty(0), rename(self.query.dims, qd))
-        kt = Tensor._trusted(torch.empty(0), rename(self.keys.dims, kd))
-        vt = Tensor._trusted(torch.empty(0), rename(self.values.dims, kd))
-        out_dims = a._out_dims(qt, kt, vt, self.key_dim, kd)
-        return qd, kd, qt, kt, [self.axis if d is qd else d for d in out_dims]
+        qt, kt, vt = (Tensor._trusted(torch.empty(0), [new if d is self.axis else d for d in x.dims])
+                      for x, new in ((self.query, qd), (self.keys, kd), (self.values, kd)))
+        return qd, kd, qt, kt, vt, a._out_dims(qt, kt, vt, self.key_dim, kd)
 
     def _encode(self, q_range, kv_range):
         """A block's call spec and aux tensors, and which of its output axes are
-        value features (absent from the lse)."""
-        from . import _attention as a
-        qd, kd, qt, kt, _ = self._block_dims(q_range, kv_range)
-        vt = Tensor._trusted(torch.empty(0), [kd if d is self.axis else d for d in self.values.dims])
-        out_dims = a._out_dims(qt, kt, vt, self.key_dim, kd)
-        spec, aux = a._encode(qt, kt, vt, self.key_dim, kd, self.dropout, self.broadcast,
-                              qd if self.causal else None, None, self.scale, self.train, out_dims,
-                              query_position_dim=None if self.causal else qd, window=self.window,
-                              softcap=self.softcap, alibi_slopes=self.alibi, positions=(q_range[0], kv_range[0]),
-                              dynamic=(qd,), seed=self.seed)
-        feature = [d is self.key_dim or (d is not kd and not qt.has(d) and not kt.has(d)) for d in out_dims]
-        return spec, aux, feature
+        value features (absent from the lse); made once per block and call, for
+        the forward and the backward pass alike."""
+        key = (q_range, kv_range)
+        if key not in self._encodings:
+            from . import _attention as a
+            qd, kd, qt, kt, vt, out_dims = self._block_dims(q_range, kv_range)
+            spec, aux = a._encode(qt, kt, vt, self.key_dim, kd, self.dropout, self.broadcast,
+                                  qd if self.causal else None, None, self.scale, self.train, out_dims,
+                                  query_position_dim=None if self.causal else qd, window=self.window,
+                                  softcap=self.softcap, alibi_slopes=self.alibi,
+                                  positions=(q_range[0], kv_range[0]), dynamic=(qd,), seed=self.seed)
+            feature = [d is self.key_dim or (d is not kd and not qt.has(d) and not kt.has(d)) for d in out_dims]
+            self._encodings[key] = (spec, aux, feature)
+        return self._encodings[key]
 
     def _blocks(self, r: int, kr: torch.Tensor, vr: torch.Tensor):
         """The blocks of this rank's query chunks against rank r's keys kr and
