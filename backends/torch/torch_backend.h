@@ -60,6 +60,11 @@ class TorchBackend : public Backend {
   // and dot_attention_backward: dimattn's CPU kernel on CPU tensors, outside
   // autograd. Not yet on CUDA tensors.
   AttentionBlockResult attention_block(const AttentionCall& call) override;
+  // Context parallelism (torch_context_parallel.cpp): c10d's groups by name,
+  // and the ring as one autograd node.
+  std::vector<Tensor> apply_custom_function(const std::vector<Tensor>& inputs,
+                                            std::shared_ptr<const CustomFunction> fn) override;
+  std::unique_ptr<ProcessGroup> process_group(const std::string& name, std::optional<double> timeout_seconds) override;
   AttentionCallGrads attention_backward(const AttentionCall& call, const Tensor& grad_output,
                                         const AttentionBlockResult* merged) override;
 };

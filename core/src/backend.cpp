@@ -66,6 +66,16 @@ Tensor Backend::run_attention(const AttentionCall& call, const AttentionPlan& pl
                device_name(call.query.device()), " to run");
 }
 
+std::vector<Tensor> Backend::apply_custom_function(const std::vector<Tensor>& inputs,
+                                                   std::shared_ptr<const CustomFunction> fn) {
+  return fn->forward(inputs).outputs;
+}
+
+std::unique_ptr<ProcessGroup> Backend::process_group(const std::string& group, std::optional<double>) {
+  detail::fail("dot_attention", "context_parallel: no process group named '", group, "' on backend '", name(),
+               "', which has none; context parallelism runs on the torch backend over torch.distributed's groups");
+}
+
 AttentionBlockResult Backend::attention_block(const AttentionCall&) {
   detail::fail("dot_attention_block", "backend '", name(), "' has no fused kernel that gives the lse; ",
                "use the torch or the Eigen backend");

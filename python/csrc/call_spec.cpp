@@ -99,11 +99,16 @@ CallSpec parse_call_spec(std::string_view text) {
           key == "alibi" ? s.alibi : key == "sinks" ? s.sinks : key == "bias" ? s.bias : s.mask;
       t = AuxTensorSpec{index, std::move(over)};
     } else if (key == "sink_off_by_one") s.sink_off_by_one = value == "1";
-    else if (key == "positions") {
-      const size_t colon = value.find(':');
-      if (colon == std::string::npos) bad(entry, "expected QUERY:KV");
-      s.positions = {to_int(entry, std::string_view(value).substr(0, colon)),
-                     to_int(entry, std::string_view(value).substr(colon + 1))};
+    else if (key == "cp") {
+      const std::vector<std::string> parts = split(value, ':');
+      if (parts.size() < 4) bad(entry, "expected SHARDING:STRATEGY:TIMEOUT:GROUP");
+      std::string group = parts[3];
+      for (size_t i = 4; i < parts.size(); ++i) group += ":" + parts[i];
+      s.context_parallel = CallSpec::ContextParallelSpec{
+          parts[0], parts[1], group, parts[2].empty() ? std::nullopt : std::optional<double>(to_double(entry, parts[2]))};
+    } else if (key == "cp_lengths") {
+      auto [index, over] = indexed(entry, value);
+      s.cp_lengths = AuxTensorSpec{index, std::move(over)};
     }
     else bad(entry, "unknown key '" + std::string(key) + "'");
   }

@@ -11,7 +11,7 @@
 //   causal=time;causal_offset=1:batch;dropout=0.1;broadcast=1;train=1;seed=4;
 //   scale=0.125;force=reference;size.x=4;query_position=time;window=128:;
 //   softcap=50.0;alibi=2:heads;sinks=3:heads;sink_off_by_one=1;
-//   bias=5:heads,time,kv;mask=6:batch,kv;positions=128:64
+//   bias=5:heads,time,kv;mask=6:batch,kv;cp=load_balanced:ring:60.0:0
 //
 // Entries are separated by ';', the key ends at the first '='. Lists are
 // comma-separated names. "dyn.NAME=I:d1,d2" makes NAME a dynamic dim whose
@@ -23,8 +23,9 @@
 // "window=LEFT:RIGHT" (an empty side is unbounded), "softcap=X",
 // "alibi=I:dims" and "sinks=I:dims" (aux[I] over dims), "sink_off_by_one=1",
 // "bias=I:dims" (a float aux[I], AttentionOptions::bias) and "mask=I:dims"
-// (a bool aux[I], AttentionOptions::mask); "positions=QUERY:KV"
-// (AttentionOptions::positions: the call as a block of a longer sequence).
+// (a bool aux[I], AttentionOptions::mask); "cp=SHARDING:STRATEGY:TIMEOUT:GROUP" (AttentionOptions::context_parallel:
+// contiguous or load_balanced, ring or all_gather, seconds or empty, the c10d
+// group's name, last: it may hold ':') and "cp_lengths=I:dims" (its lengths).
 // Names hold no ';', ',', '=' or ':' (the Python side makes them so).
 #include <cstdint>
 #include <map>
@@ -75,7 +76,12 @@ struct CallSpec {
   std::optional<AuxTensorSpec> alibi, sinks;
   bool sink_off_by_one = false;
   std::optional<AuxTensorSpec> bias, mask;
-  std::optional<std::pair<int64_t, int64_t>> positions;  // query, kv
+  struct ContextParallelSpec {
+    std::string sharding, strategy, group;
+    std::optional<double> timeout;
+  };
+  std::optional<ContextParallelSpec> context_parallel;
+  std::optional<AuxTensorSpec> cp_lengths;
 };
 
 // Throws dimattn::Error "[dimattn op] ..." for a malformed spec or an unknown

@@ -6,10 +6,8 @@
 //   dimattn::dot_attention_trace(query, keys, values, aux, spec) -> (energy, att_weights)
 //   dimattn::explain(query, keys, values, aux, spec) -> str
 //   dimattn::kernel_names() -> str[]
-//   dimattn::dot_attention_block(query, keys, values, aux, spec) -> (out, lse)
-//   dimattn::dot_attention_block_backward(grad_out, query, keys, values, out, lse, aux, spec) -> (gq, gk, gv)
-// The block ops compute one block of a longer attention (context
-// parallelism, python/dimattn/_context_parallel.py) outside autograd.
+// dot_attention with a "cp" entry runs a whole context-parallel call
+// (frontend/src/context_parallel.cpp) over the c10d group of that name.
 //
 // Dims and options cross as the call spec (call_spec.h). Each op makes the
 // call's Dims from it (names are unique per call, so one name is one Dim),
@@ -306,7 +304,17 @@ Call make_call(c10::string_view spec_text, const at::Tensor& q, const at::Tensor
   c.opts.sink_off_by_one = s.sink_off_by_one;
   if (s.bias) c.opts.bias = from_aten(aux[s.bias->index], t.dims(s.bias->over));
   if (s.mask) c.opts.mask = from_aten(aux[s.mask->index], t.dims(s.mask->over));
-  if (s.positions) c.opts.positions = AttentionPositions{s.positions->first, s.positions->second};
+  if (s.context_parallel) {
+    const CallSpec::ContextParallelSpec& cp = *s.context_parallel;
+    ContextParallel& o = c.opts.context_parallel.emplace();
+    o.group = cp.group;
+    if (cp.sharding == "load_balanced") o.sharding = ContextSharding::load_balanced;
+    else if (cp.sharding != "contiguous") fail("context_parallel sharding '" + cp.sharding + "': contiguous or load_balanced");
+    if (cp.strategy == "all_gather") o.strategy = ContextStrategy::all_gather;
+    else if (cp.strategy != "ring") fail("context_parallel strategy '" + cp.strategy + "': ring or all_gather");
+    o.timeout_seconds = cp.timeout;
+    if (s.cp_lengths) o.lengths = from_aten(aux_at(aux, s.cp_lengths->index), t.dims(s.cp_lengths->over));
+  }
   return c;
 }
 
@@ -445,49 +453,6 @@ std::string explain_op(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 std::vector<std::string> kernel_names_op() { return all_kernel_names(); }
 
-// --- blocks of a longer attention (context parallelism) ---
-
-// The lse's dims: the output's but the value features (dimattn's roles:
-// values' dims that are key_dim or in neither query nor keys, but axis).
-std::vector<std::string> lse_names(const CallSpec& s) {
-  auto has = [](const std::vector<std::string>& names, const std::string& n) {
-    return std::find(names.begin(), names.end(), n) != names.end();
-  };
-  std::vector<std::string> out;
-  for (const std::string& n : s.out) {
-    const bool feature = has(s.v, n) && (n == s.key_dim || (n != s.axis && !has(s.q, n) && !has(s.k, n)));
-    if (!feature) out.push_back(n);
-  }
-  return out;
-}
-
-std::tuple<at::Tensor, at::Tensor> dot_attention_block_op(const at::Tensor& q, const at::Tensor& k,
-                                                          const at::Tensor& v, at::TensorList aux,
-                                                          c10::string_view spec) {
-  const Call c = make_call(spec, q, k, v, aux);
-  const RunScope scope(c.spec, aux);
-  at::NoGradGuard no_grad;
-  const AttentionBlock b = dot_attention_block(*c.q, *c.k, *c.v, c.opts);
-  return {in_order(b.output, c.spec.out, c.table, "the output", {&q, &k, &v}),
-          in_order(b.lse, lse_names(c.spec), c.table, "the lse", {&q, &k, &v})};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dot_attention_block_backward_op(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, at::TensorList aux, c10::string_view spec) {
-  const Call c = make_call(spec, q, k, v, aux);
-  const RunScope scope(c.spec, aux);
-  at::NoGradGuard no_grad;
-  const DimTable& t = c.table;
-  const Dims out_dims = t.dims(c.spec.out);
-  const AttentionBlock merged{from_aten(out, out_dims), from_aten(lse, t.dims(lse_names(c.spec)))};
-  const AttentionGrads g =
-      dot_attention_block_backward(*c.q, *c.k, *c.v, c.opts, merged, from_aten(grad_out, out_dims));
-  return {in_order(g.query, c.spec.q, t, "d(query)", {&grad_out, &q, &k, &v, &out, &lse}),
-          in_order(g.keys, c.spec.k, t, "d(keys)", {&grad_out, &q, &k, &v, &out, &lse}),
-          in_order(g.values, c.spec.v, t, "d(values)", {&grad_out, &q, &k, &v, &out, &lse})};
-}
-
 // --- autograd ---
 
 const auto& dot_attention_op_handle() {
@@ -542,6 +507,14 @@ at::Tensor dot_attention_autograd(const at::Tensor& q, const at::Tensor& k, cons
   };
   if (!at::GradMode::is_enabled()) return device_kernel();
   const CallSpec& s = parsed(spec);
+  if (s.context_parallel) {
+    // The ring records its own autograd node (forward and backward over the
+    // group, no recomputation); eager only.
+    const Call c = make_call(spec, q, k, v, aux);
+    const RunScope scope(c.spec, aux);
+    const Tensor out = dot_attention(*c.q, *c.k, *c.v, c.opts);
+    return in_order(out, c.spec.out, c.table, "the output", {&q, &k, &v});
+  }
   std::array<std::optional<at::Tensor>, 2> learned;  // sinks, bias
   bool any_grad = q.requires_grad() || k.requires_grad() || v.requires_grad();
   const std::optional<AuxTensorSpec>* learning[2] = {&s.sinks, &s.bias};  // as learnable() orders them
@@ -565,10 +538,6 @@ TORCH_LIBRARY(dimattn, m) {
   m.def("dot_attention_trace(Tensor query, Tensor keys, Tensor values, Tensor[] aux, str spec) -> (Tensor, Tensor)");
   m.def("explain(Tensor query, Tensor keys, Tensor values, Tensor[] aux, str spec) -> str");
   m.def("kernel_names() -> str[]", &dimattn::python::kernel_names_op);
-  m.def("dot_attention_block(Tensor query, Tensor keys, Tensor values, Tensor[] aux, str spec) -> (Tensor, Tensor)");
-  m.def(
-      "dot_attention_block_backward(Tensor grad_output, Tensor query, Tensor keys, Tensor values, Tensor output, "
-      "Tensor lse, Tensor[] aux, str spec) -> (Tensor, Tensor, Tensor)");
 }
 
 namespace {
@@ -578,8 +547,6 @@ void register_device_kernels(torch::Library& m) {
   m.impl("dot_attention_backward", &dot_attention_backward_op);
   m.impl("dot_attention_trace", &dot_attention_trace_op);
   m.impl("explain", &explain_op);
-  m.impl("dot_attention_block", &dot_attention_block_op);
-  m.impl("dot_attention_block_backward", &dot_attention_block_backward_op);
 }
 }  // namespace
 

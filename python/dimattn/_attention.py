@@ -146,9 +146,8 @@ class _Call:
     the axis's lengths vary over a dim that is itself dynamic (a history whose
     length depends on batch and time), which dimattn's Dims do not take."""
 
-    def __init__(self, axis: Dim, dynamic: Sequence[Dim] = ()):
+    def __init__(self, axis: Dim):
         self.axis = axis
-        self.dynamic = dynamic  # more dims whose lengths cross (context parallelism's query blocks)
         self.dims: List[Dim] = []
         self.names: List[str] = []
         self.aux: List[torch.Tensor] = []
@@ -165,7 +164,7 @@ class _Call:
             name = f"{base}#{i}"
         self.dims.append(d)
         self.names.append(name)
-        if d.lengths is not None and (d is self.axis or _has(self.dynamic, d)):
+        if d.lengths is not None and d is self.axis:
             # The lengths' own dims get names first; then the entry.
             over = ",".join(self.name(e) for e in d.lengths.dims)
             self.aux.append(d.lengths.raw)
@@ -253,11 +252,10 @@ def _check_variants(window, softcap, alibi_slopes, sinks, bias=None, mask=None) 
 def _encode(query, keys, values, key_dim, axis, att_dropout, att_dropout_broadcast, causal_query_spatial_dim,
             causal_offset, scale, train, out_dims, energy_dims=None, *, query_position_dim=None, window=None,
             softcap=None, alibi_slopes=None, sinks=None, sink_off_by_one=False, bias=None, mask=None,
-            positions=None, dynamic=(), seed=None):
-    """positions, dynamic, seed: for the blocks of context parallelism (the call's
-    place in the sequence, query dims whose lengths cross too, the dropout seed
-    shared by every block)."""
-    c = _Call(axis, dynamic)
+            context_parallel=None):
+    """context_parallel: the "cp" entry's value and the whole sequence's lengths (a
+    dimattn.Tensor or None) for dot_attention(..., context_parallel)."""
+    c = _Call(axis)
     e = c.entries
     e.append("q=" + c.names_of(query.dims))
     e.append("k=" + c.names_of(keys.dims))
@@ -298,8 +296,13 @@ def _encode(query, keys, values, key_dim, axis, att_dropout, att_dropout_broadca
             e.append(f"{entry}={len(c.aux) - 1}:{over}")
     if sink_off_by_one:
         e.append("sink_off_by_one=1")
-    if positions is not None:
-        e.append(f"positions={int(positions[0])}:{int(positions[1])}")
+    if context_parallel is not None:
+        entry, lengths = context_parallel
+        if lengths is not None:
+            over = c.names_of(lengths.dims)
+            c.aux.append(lengths.raw)
+            e.append(f"cp_lengths={len(c.aux) - 1}:{over}")
+        e.append("cp=" + entry)
     if att_dropout:
         e.append(f"dropout={float(att_dropout)!r}")
     if att_dropout_broadcast:
@@ -308,7 +311,7 @@ def _encode(query, keys, values, key_dim, axis, att_dropout, att_dropout_broadca
         e.append("train=1")
         if att_dropout:
             # From torch's generator: torch.manual_seed reproduces the mask.
-            c.aux.append(torch.randint(0, 2**62, (), dtype=torch.int64) if seed is None else seed)
+            c.aux.append(torch.randint(0, 2**62, (), dtype=torch.int64))
             e.append(f"seed={len(c.aux) - 1}")
     if scale is not None:
         e.append(f"scale={float(scale)!r}")

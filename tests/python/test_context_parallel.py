@@ -194,41 +194,31 @@ def test_bad_input_raises_on_every_rank():
     _spawn(_errors_worker, 3)
 
 
-def _failing_worker(rank, world):
-    """Rank 1 fails in the middle of the ring; the others must raise (not hang)."""
-    from dimattn import _context_parallel as cpm
-    if rank == 1:
-        calls = {"n": 0}
-        real = cpm.ops.dot_attention_block
-
-        class Failing:
-            def __getattr__(self, name):
-                if name != "dot_attention_block":
-                    return getattr(cpm.torch.ops.dimattn, name)
-
-                def block(*a):
-                    calls["n"] += 1
-                    if calls["n"] == 2:
-                        raise RuntimeError("injected failure on rank 1")
-                    return real(*a)
-                return block
-        cpm.ops = Failing()
+def _failing_worker(rank, world, when):
+    """Rank 1 dies (before the forward pass, or between the passes); the others
+    must raise within the timeout, not hang."""
     b, f = da.Dim("batch", 1), da.Dim("feat", 8)
     t = da.Dim("time", 8)
-    x = da.Tensor(torch.randn(1, 8, 8), [b, t, f])
+    x = torch.randn(1, 8, 8, requires_grad=True)
+    cp = da.ContextParallel(None, "contiguous", "ring", timeout=10)
+    if rank == 1 and when == "forward":
+        os._exit(0)
     start = time.monotonic()
     try:
-        da.dot_attention(x, x, x, key_dim=f, axis=t, causal_query_spatial_dim=t,
-                         context_parallel=da.ContextParallel(None, "contiguous", "ring", timeout=10))
+        out = da.dot_attention(da.Tensor(x, [b, t, f]), da.Tensor(x, [b, t, f]), da.Tensor(x, [b, t, f]), key_dim=f,
+                               axis=t, causal_query_spatial_dim=t, context_parallel=cp)
+        if rank == 1:
+            os._exit(0)
+        out.raw.sum().backward()
     except RuntimeError as e:
         took = time.monotonic() - start
         assert took < 30, f"rank {rank} raised only after {took:.0f} s"
-        if rank == 1:
-            assert "injected failure" in str(e)
+        assert "context_parallel" in str(e), str(e)
         os._exit(0)  # the group is broken: leave without its teardown
     traceback.print_stack()
-    raise AssertionError(f"rank {rank} finished although rank 1 failed")
+    raise AssertionError(f"rank {rank} finished although rank 1 died in the {when} pass")
 
 
-def test_failing_rank_makes_every_rank_raise():
-    _spawn(_failing_worker, 3)
+@pytest.mark.parametrize("when", ["forward", "backward"])
+def test_failing_rank_makes_every_rank_raise(when):
+    _spawn(_failing_worker, 3, when)

@@ -329,6 +329,28 @@ const std::map<std::string, ErrorCase>& error_cases() {
           o.sinks = from_host({e.batch}, {0.5, 0.5}, e.f32);
           dot_attention_block(e.q, e.k, e.v, o);
         }}},
+      {"context_parallel_unknown_group",
+       {[](const Ex& e) {
+          dot_attention(e.q, e.q, e.q, {.key_dim = e.feat, .axis = e.time, .context_parallel = ContextParallel{"nope"}});
+        }}},
+      {"context_parallel_cross_attention",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.context_parallel = ContextParallel{"0"};
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"context_parallel_with_mask",
+       {[](const Ex& e) {
+          dot_attention(e.q, e.q, e.q,
+                        {.key_dim = e.feat,
+                         .axis = e.time,
+                         .mask = compare(e.lens({1, 2}), Compare::gt, 0.0),
+                         .context_parallel = ContextParallel{"0"}});
+        }}},
+      {"context_parallel_explain",
+       {[](const Ex& e) {
+          explain_attention(e.q, e.q, e.q, {.key_dim = e.feat, .axis = e.time, .context_parallel = ContextParallel{"0"}});
+        }}},
       {"causal_offset_not_integer",
        {[](const Ex& e) {
           dot_attention(e.q, e.k, e.v,

@@ -9,6 +9,7 @@
 //   size 1 (numpy rules);
 // - results are new tensors or views; callers never write into operands.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -16,6 +17,7 @@
 
 #include "dimattn/ext/attention_call.h"
 #include "dimattn/ext/kernel_table.h"
+#include "dimattn/ext/process_group.h"
 #include "dimattn/dtype.h"
 #include "dimattn/selection.h"
 #include "dimattn/tensor.h"
@@ -39,6 +41,19 @@ struct HostView {
   Shape sizes;
   std::vector<int64_t> strides;  // in elements
   DType dtype = DType::float32;
+};
+
+// Backend::apply_custom_function's function. forward: the outputs, and the
+// tensors backward needs (the backend saves them). backward: from those and
+// the outputs' gradients (over each output's dims; zeros where unused), the
+// inputs' gradients, each over its input's dims in its order.
+struct CustomFunction {
+  struct Result {
+    std::vector<Tensor> outputs, saved;
+  };
+  std::function<Result(const std::vector<Tensor>& inputs)> forward;
+  std::function<std::vector<Tensor>(const std::vector<Tensor>& saved, const std::vector<Tensor>& grad_outputs)>
+      backward;
 };
 
 class Backend {
@@ -95,6 +110,18 @@ class Backend {
   virtual bool requires_grad(const RawPtr& x);
   virtual RawPtr grad(const RawPtr& x);  // nullptr when none
   virtual void backward(const RawPtr& scalar);
+
+  // A function the frontend computes itself, with a backward pass it
+  // computes itself (context parallelism's ring). Backends with autograd
+  // record it as one node; default: forward's outputs, untracked.
+  virtual std::vector<Tensor> apply_custom_function(const std::vector<Tensor>& inputs,
+                                                    std::shared_ptr<const CustomFunction> fn);
+
+  // --- collectives ---
+  // The process group of that name (ProcessGroup), each wait bounded by
+  // timeout_seconds when set. Default: throws, naming the backend.
+  virtual std::unique_ptr<ProcessGroup> process_group(const std::string& name,
+                                                      std::optional<double> timeout_seconds);
 
   // --- attention ---
   // dot_attention owns the choice between its reference path (frontend) and
