@@ -94,40 +94,9 @@ namespace {
 void check_host_call(Backend& be, const AttentionCall& c, const char* op) {
   DIMATTN_CHECK(c.query.device().type == DeviceType::cpu && be.host_view(c.query.raw()).has_value(), op,
                 "runs dimattn's CPU kernel and needs CPU tensors whose backend exposes host memory; got ",
-                c.query.repr(), " (CUDA tensors: use Tensor::backward on the torch backend; blocks of a longer ",
-                "attention are not yet computed on CUDA)");
+                c.query.repr(), " (the torch backend runs CUDA tensors on cuda_flash)");
   const GateResult gate = cpu_flash_gate(attention_params(c, LayoutClass::separate, false));
   DIMATTN_CHECK(gate.ok, op, "cpu_flash cannot run this call: ", gate.reason);
-}
-
-// The call's output order as the kernel lays it out: B's dims and the kv
-// heads', the query groups, the query position, then (with_features) the
-// value features.
-Dims kernel_output_order(const AttentionCall& c, bool with_features) {
-  return join({batch_head_dims(c), c.query_groups, {c.query_spatial}, with_features ? c.value_feature : Dims{}});
-}
-
-// A tensor over the call's output dims (without the value features when
-// !with_features), `what` naming it, as the kernel's [B, H, Tq(, Dv)].
-RawPtr in_kernel_form(Backend& be, const AttentionCall& c, const FlashLayout& l, const Tensor& t, const char* what,
-                      bool with_features, DType dtype, const char* op) {
-  const Dims order = kernel_output_order(c, with_features);
-  Dims missing, extra;
-  for (const Dim& d : order)
-    if (!t.has(d)) missing.push_back(d);
-  for (const Dim& d : t.dims())
-    if (!contains(order, d)) extra.push_back(d);
-  DIMATTN_CHECK(missing.empty() && extra.empty(), op, what, " has dims ", repr(t.dims()), "; it must have ",
-                repr(order));
-  DIMATTN_CHECK(t.dtype() == dtype, op, what, " has dtype ", dtype_name(t.dtype()), "; this call's is ",
-                dtype_name(dtype));
-  Shape shape{l.B, l.Hkv * l.G, l.Tq};
-  if (with_features) shape.push_back(l.Dv);
-  return be.contiguous(be.reshape(raw_in_order(op, t, order, false), shape));
-}
-
-DType lse_dtype_of(const AttentionCall& c) {
-  return c.query.dtype() == DType::float64 ? DType::float64 : DType::float32;
 }
 
 }  // namespace
@@ -136,11 +105,7 @@ AttentionBlockResult cpu_flash_attention_block(Backend& be, const AttentionCall&
   check_host_call(be, c, "dot_attention_block");
   const KernelForm form = host_kernel_form(be, c);
   const FlashForward fwd = flash_forward(be, c, form.layout, flash_inputs(be, c, form), pf);
-  Dims dims = kernel_output_order(c, false);
-  Shape shape;
-  for (const Dim& d : dims) shape.push_back(d.extent());
-  return {flash_output(be, c, fwd.out),
-          Tensor(std::move(dims), lse_dtype_of(c), kCPU, be.reshape(fwd.lse, shape), &be)};
+  return block_result(be, c, fwd.out, fwd.lse);
 }
 
 AttentionCallGrads cpu_flash_attention_backward(Backend& be, const AttentionCall& c, const Tensor& grad_output,
@@ -156,19 +121,7 @@ AttentionCallGrads cpu_flash_attention_backward(Backend& be, const AttentionCall
              : flash_forward(be, c, l, in, pf);
   const RawPtr dout4 = in_kernel_form(be, c, l, grad_output, "grad_output", true, c.query.dtype(), op);
   const FlashGrads grads = flash_backward(be, c, l, in, fwd, dout4, pf);
-  const FlashInputs& g = grads.inputs;
-
-  const Dims kv_heads = batch_head_dims(c);
-  auto named = [&](const RawPtr& raw, const Dims& dims) {
-    Shape shape;
-    for (const Dim& d : dims) shape.push_back(d.extent());
-    return Tensor(dims, c.query.dtype(), kCPU, be.reshape(raw, shape), &be);
-  };
-  return {named(g.q, join({kv_heads, c.query_groups, {c.query_spatial, c.key_dim}})),
-          named(g.k, join({kv_heads, {c.kv_spatial, c.key_dim}})),
-          named(g.v, join({kv_heads, {c.kv_spatial}, c.value_feature})),
-          c.sinks ? std::optional<Tensor>(sinks_gradient(be, c, grads.dsinks)) : std::nullopt,
-          c.bias ? std::optional<Tensor>(bias_gradient(be, c, grads.dbias)) : std::nullopt};
+  return call_grads(be, c, grads.inputs, grads.dsinks, grads.dbias);
 }
 
 namespace {

@@ -393,4 +393,59 @@ Tensor flash_output(Backend& be, const AttentionCall& c, const RawPtr& out4) {
   return Tensor(std::move(dims), c.query.dtype(), c.query.device(), same ? out4 : be.reshape(out4, shape), &be);
 }
 
+// --- blocks of a longer attention and fused backward passes ---
+
+namespace {
+
+// The call's output order as the kernel lays it out: B's dims and the kv
+// heads', the query groups, the query position, then (with_features) the
+// value features.
+Dims kernel_output_order(const AttentionCall& c, bool with_features) {
+  return join({batch_head_dims(c), c.query_groups, {c.query_spatial}, with_features ? c.value_feature : Dims{}});
+}
+
+Tensor named(Backend& be, const AttentionCall& c, const RawPtr& raw, Dims dims, DType dtype) {
+  Shape shape;
+  for (const Dim& d : dims) shape.push_back(d.extent());
+  return Tensor(std::move(dims), dtype, c.query.device(), be.reshape(raw, shape), &be);
+}
+
+}  // namespace
+
+DType lse_dtype_of(const AttentionCall& c) {
+  return c.query.dtype() == DType::float64 ? DType::float64 : DType::float32;
+}
+
+RawPtr in_kernel_form(Backend& be, const AttentionCall& c, const FlashLayout& l, const Tensor& t, const char* what,
+                      bool with_features, DType dtype, const char* op) {
+  const Dims order = kernel_output_order(c, with_features);
+  Dims missing, extra;
+  for (const Dim& d : order)
+    if (!t.has(d)) missing.push_back(d);
+  for (const Dim& d : t.dims())
+    if (!contains(order, d)) extra.push_back(d);
+  DIMATTN_CHECK(missing.empty() && extra.empty(), op, what, " has dims ", repr(t.dims()), "; it must have ",
+                repr(order));
+  DIMATTN_CHECK(t.dtype() == dtype, op, what, " has dtype ", dtype_name(t.dtype()), "; this call's is ",
+                dtype_name(dtype));
+  Shape shape{l.B, l.Hkv * l.G, l.Tq};
+  if (with_features) shape.push_back(l.Dv);
+  return be.contiguous(be.reshape(raw_in_order(op, t, order, false), shape));
+}
+
+AttentionBlockResult block_result(Backend& be, const AttentionCall& c, const RawPtr& out4, const RawPtr& lse3) {
+  return {flash_output(be, c, out4), named(be, c, lse3, kernel_output_order(c, false), lse_dtype_of(c))};
+}
+
+AttentionCallGrads call_grads(Backend& be, const AttentionCall& c, const FlashInputs& g,
+                              const std::vector<double>& dsinks, const RawPtr& dbias) {
+  const Dims kv_heads = batch_head_dims(c);
+  const DType dt = c.query.dtype();
+  return {named(be, c, g.q, join({kv_heads, c.query_groups, {c.query_spatial, c.key_dim}}), dt),
+          named(be, c, g.k, join({kv_heads, {c.kv_spatial, c.key_dim}}), dt),
+          named(be, c, g.v, join({kv_heads, {c.kv_spatial}, c.value_feature}), dt),
+          c.sinks ? std::optional<Tensor>(sinks_gradient(be, c, dsinks)) : std::nullopt,
+          c.bias ? std::optional<Tensor>(bias_gradient(be, c, dbias)) : std::nullopt};
+}
+
 }  // namespace dimattn::detail

@@ -147,4 +147,19 @@ kernels::ElementStrides strides4(const HostView& v);  // pre: v is 4-d
 // out [B, H, Tq, Dv] as the call's output tensor (on the query's device).
 Tensor flash_output(Backend& be, const AttentionCall& c, const RawPtr& out4);
 
+// --- blocks of a longer attention and fused backward passes (cpu_flash, cuda_flash) ---
+
+// The lse's dtype: float32, float64 for float64 calls.
+DType lse_dtype_of(const AttentionCall& c);
+// A tensor over the call's output dims (without the value features when
+// !with_features), `what` naming it in errors, as the kernel's [B, H, Tq(, Dv)].
+RawPtr in_kernel_form(Backend& be, const AttentionCall& c, const FlashLayout& l, const Tensor& t, const char* what,
+                      bool with_features, DType dtype, const char* op);
+// The kernel's out [B, H, Tq, Dv] and lse [B, H, Tq] as a block's result.
+AttentionBlockResult block_result(Backend& be, const AttentionCall& c, const RawPtr& out4, const RawPtr& lse3);
+// The kernel's dq, dk, dv (flash_inputs' shapes), d(sinks) per (b, h) and
+// d(bias) (bias_gradient_buffer's; null without) as the call's gradients.
+AttentionCallGrads call_grads(Backend& be, const AttentionCall& c, const FlashInputs& g,
+                              const std::vector<double>& dsinks, const RawPtr& dbias);
+
 }  // namespace dimattn::detail

@@ -17,7 +17,9 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "adapters/cuda_flash_gate.h"
 #include "adapters/kernel_form.h"
+#include "adapters/plan_cache.h"
 #include "torch_raw.h"
 #include "dimattn/error.h"
 #include "dimattn/internal/check.h"
@@ -93,6 +95,61 @@ void run_kernel(const kernels::AttentionKernelParams& p, bool backward, F&& f) {
   }
 }
 
+// The forward kernel on q, k, v in the kernel's 4-d form: out and lse.
+struct CudaForward {
+  at::Tensor out, lse;
+};
+CudaForward cuda_forward(TorchBackend& be, const AttentionCall& call, const detail::FlashLayout& l,
+                         const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const c10::DeviceGuard guard(q.device());
+  detail::FlashParams pr;
+  detail::flash_params(pr, call, l, memory_of(q), memory_of(k), memory_of(v));
+  const detail::ScoreOperands so = detail::score_operands(be, call, pr, memory_of_raw);
+  CudaForward f{empty_on({l.B, l.Hkv * l.G, l.Tq, l.Dv}, q.scalar_type(), q.device()),
+                empty_on({l.B, l.Hkv * l.G, l.Tq}, at::kFloat, q.device())};
+  detail::set_forward_outputs(pr.p, memory_of(f.out), memory_of(f.lse));
+  const std::vector<at::Tensor> arrays = to_device_arrays(pr, q.device());
+  run_kernel(pr.p, false, [&] { kernels::cuda_flash_forward(pr.p, current_stream(q.device())); });
+  return f;
+}
+
+// The backward kernel from out and lse (the call's own, or a longer
+// attention's merged ones for a block): dq, dk, dv, d(sinks) per (b, h) and
+// d(bias) when `want_dbias`.
+struct CudaGrads {
+  detail::FlashInputs inputs;
+  std::vector<double> dsinks;
+  RawPtr dbias;
+};
+CudaGrads cuda_backward(TorchBackend& be, const AttentionCall& call, const detail::FlashLayout& l,
+                        const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CudaForward& fwd,
+                        const at::Tensor& dout, bool want_dbias) {
+  const c10::DeviceGuard guard(q.device());
+  detail::FlashParams pr;
+  detail::flash_params(pr, call, l, memory_of(q), memory_of(k), memory_of(v));
+  const detail::ScoreOperands so = detail::score_operands(be, call, pr, memory_of_raw, want_dbias);
+  CudaGrads g;
+  if (want_dbias) g.dbias = detail::bias_gradient_buffer(be, pr, call, memory_of_raw, call.query.device());
+  detail::set_forward_outputs(pr.p, memory_of(fwd.out), memory_of(fwd.lse));
+  const at::Tensor dq = empty_on(q.sizes(), q.scalar_type(), q.device());
+  const at::Tensor dk = empty_on(k.sizes(), k.scalar_type(), k.device());
+  const at::Tensor dv = empty_on(v.sizes(), v.scalar_type(), v.device());
+  detail::set_backward_tensors(pr.p, memory_of(dout), memory_of(dq), memory_of(dk), memory_of(dv));
+  const std::vector<at::Tensor> arrays = to_device_arrays(pr, q.device());
+  const int64_t ws_bytes = static_cast<int64_t>(kernels::cuda_flash_backward_workspace_bytes(pr.p));
+  const at::Tensor workspace = empty_on({(ws_bytes + 3) / 4}, at::kFloat, q.device());
+  run_kernel(pr.p, true, [&] {
+    kernels::cuda_flash_backward(pr.p, workspace.data_ptr(), current_stream(q.device()));
+  });
+  if (call.sinks) {
+    const at::Tensor d = arrays.back().cpu();
+    const double* x = d.const_data_ptr<double>();
+    g.dsinks.assign(x, x + d.numel());
+  }
+  g.inputs = {wrap(dq), wrap(dk), wrap(dv)};
+  return g;
+}
+
 struct CudaFlashInfo : torch::CustomClassHolder {
   CudaFlashInfo(TorchBackend* b, AttentionCall c, detail::FlashLayout l) : be(b), call(std::move(c)), layout(l) {}
   TorchBackend* be;
@@ -106,59 +163,50 @@ class CudaFlashFunction : public torch::autograd::Function<CudaFlashFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const at::Tensor& /*sinks*/, const at::Tensor& /*bias*/,
                             c10::intrusive_ptr<CudaFlashInfo> info) {
-    const c10::DeviceGuard guard(q.device());
-    const detail::FlashLayout& l = info->layout;
     const at::Tensor qr = kernel_readable(q), kr = kernel_readable(k), vr = kernel_readable(v);
-    detail::FlashParams pr;
-    detail::flash_params(pr, info->call, l, memory_of(qr), memory_of(kr), memory_of(vr));
-    const detail::ScoreOperands so = detail::score_operands(*info->be, info->call, pr, memory_of_raw);
-    const at::Tensor out = empty_on({l.B, l.Hkv * l.G, l.Tq, l.Dv}, q.scalar_type(), q.device());
-    const at::Tensor lse = empty_on({l.B, l.Hkv * l.G, l.Tq}, at::kFloat, q.device());
-    detail::set_forward_outputs(pr.p, memory_of(out), memory_of(lse));
-    const std::vector<at::Tensor> arrays = to_device_arrays(pr, q.device());
-    run_kernel(pr.p, false, [&] { kernels::cuda_flash_forward(pr.p, current_stream(q.device())); });
-    ctx->save_for_backward({qr, kr, vr, out, lse});
+    const CudaForward f = cuda_forward(*info->be, info->call, info->layout, qr, kr, vr);
+    ctx->save_for_backward({qr, kr, vr, f.out, f.lse});
     ctx->saved_data["info"] = at::IValue::make_capsule(std::move(info));
-    return out;
+    return f.out;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto info = c10::static_intrusive_pointer_cast<CudaFlashInfo>(ctx->saved_data["info"].toCapsule());
-    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
-    const c10::DeviceGuard guard(q.device());
-    const at::Tensor dout = kernel_readable(grads[0]);
-    detail::FlashParams pr;
-    detail::flash_params(pr, info->call, info->layout, memory_of(q), memory_of(k), memory_of(v));
     const AttentionCall& call = info->call;
-    const bool want_dbias = call.bias && call.bias->requires_grad();
-    const detail::ScoreOperands so = detail::score_operands(*info->be, call, pr, memory_of_raw, want_dbias);
-    RawPtr dbias;
-    if (want_dbias)
-      dbias = detail::bias_gradient_buffer(*info->be, pr, call, memory_of_raw, call.query.device());
-    detail::set_forward_outputs(pr.p, memory_of(out), memory_of(lse));
-    const at::Tensor dq = empty_on(q.sizes(), q.scalar_type(), q.device());
-    const at::Tensor dk = empty_on(k.sizes(), k.scalar_type(), k.device());
-    const at::Tensor dv = empty_on(v.sizes(), v.scalar_type(), v.device());
-    detail::set_backward_tensors(pr.p, memory_of(dout), memory_of(dq), memory_of(dk), memory_of(dv));
-    const std::vector<at::Tensor> arrays = to_device_arrays(pr, q.device());
-    const int64_t ws_bytes = static_cast<int64_t>(kernels::cuda_flash_backward_workspace_bytes(pr.p));
-    const at::Tensor workspace = empty_on({(ws_bytes + 3) / 4}, at::kFloat, q.device());
-    run_kernel(pr.p, true, [&] {
-      kernels::cuda_flash_backward(pr.p, workspace.data_ptr(), current_stream(q.device()));
-    });
-    at::Tensor dsinks;
-    if (info->call.sinks) {
-      const at::Tensor d = arrays.back().cpu();
-      const double* x = d.const_data_ptr<double>();
-      const std::vector<double> host(x, x + d.numel());
-      dsinks = as_aten(detail::sinks_gradient(*info->be, info->call, host).raw());
-    }
-    const at::Tensor dbias_t = dbias ? as_aten(detail::bias_gradient(*info->be, info->call, dbias).raw()) : at::Tensor();
-    return {dq, dk, dv, dsinks, dbias_t, at::Tensor()};
+    const CudaGrads g = cuda_backward(*info->be, call, info->layout, saved[0], saved[1], saved[2],
+                                      {saved[3], saved[4]}, kernel_readable(grads[0]),
+                                      call.bias && call.bias->requires_grad());
+    at::Tensor dsinks, dbias;
+    if (call.sinks) dsinks = as_aten(detail::sinks_gradient(*info->be, call, g.dsinks).raw());
+    if (g.dbias) dbias = as_aten(detail::bias_gradient(*info->be, call, g.dbias).raw());
+    return {as_aten(g.inputs.q), as_aten(g.inputs.k), as_aten(g.inputs.v), dsinks, dbias, at::Tensor()};
   }
 };
+
+// A call that cuda_flash computes outside autograd (blocks, their
+// gradients): its kernel form, its inputs in that form, after its gate.
+struct CudaCall {
+  AttentionPlanPtr plan;  // holds the form
+  const detail::KernelForm& form;
+  at::Tensor q, k, v;
+};
+CudaCall cuda_call(TorchBackend& be, const AttentionCall& c, const char* op) {
+  const GateResult gate = detail::cuda_flash_gate(be.attention_params_of(c));
+  DIMATTN_CHECK(gate.ok, op, "blocks of a longer attention on CUDA run dimattn's cuda_flash, which cannot run this ",
+                "call: ", gate.reason);
+  AttentionPlanPtr plan = be.plan_attention(c);
+  const detail::KernelForm* form = detail::form_in(*plan);
+  DIMATTN_CHECK(form != nullptr, op, "internal error: the torch backend's plan has no kernel form");
+  CudaCall cc{std::move(plan), *form, {}, {}, {}};
+  const detail::FlashInputs in =
+      detail::flash_inputs(be, cc.form, detail::aligned_inputs(be, c, cc.form), memory_of_raw);
+  cc.q = kernel_readable(as_aten(in.q));
+  cc.k = kernel_readable(as_aten(in.k));
+  cc.v = kernel_readable(as_aten(in.v));
+  return cc;
+}
 
 }  // namespace
 
@@ -168,6 +216,33 @@ Tensor cuda_flash_attention(TorchBackend& be, const AttentionCall& c, const deta
                                             sinks_input(c), bias_input(c),
                                             c10::make_intrusive<CudaFlashInfo>(&be, c, form.layout));
   return detail::flash_output(be, c, wrap(out));
+}
+
+}  // namespace dimattn::torch_backend
+
+namespace dimattn::torch_backend {
+
+AttentionBlockResult cuda_flash_attention_block(TorchBackend& be, const AttentionCall& c) {
+  const CudaCall cc = cuda_call(be, c, "dot_attention_block");
+  const CudaForward f = cuda_forward(be, c, cc.form.layout, cc.q, cc.k, cc.v);
+  return detail::block_result(be, c, wrap(f.out), wrap(f.lse));
+}
+
+AttentionCallGrads cuda_flash_attention_backward(TorchBackend& be, const AttentionCall& c, const Tensor& grad_output,
+                                                 const AttentionBlockResult* merged) {
+  const char* op = merged ? "dot_attention_block_backward" : "dot_attention_backward";
+  const CudaCall cc = cuda_call(be, c, op);
+  const detail::FlashLayout& l = cc.form.layout;
+  const CudaForward fwd =
+      merged ? CudaForward{as_aten(detail::in_kernel_form(be, c, l, merged->output, "the merged output", true,
+                                                          c.query.dtype(), op)),
+                           as_aten(detail::in_kernel_form(be, c, l, merged->lse, "the merged lse", false,
+                                                          detail::lse_dtype_of(c), op))}
+             : cuda_forward(be, c, l, cc.q, cc.k, cc.v);
+  const at::Tensor dout =
+      kernel_readable(as_aten(detail::in_kernel_form(be, c, l, grad_output, "grad_output", true, c.query.dtype(), op)));
+  const CudaGrads g = cuda_backward(be, c, l, cc.q, cc.k, cc.v, fwd, dout, c.bias.has_value());
+  return detail::call_grads(be, c, g.inputs, g.dsinks, g.dbias);
 }
 
 }  // namespace dimattn::torch_backend

@@ -392,12 +392,14 @@ AttentionPlanPtr TorchBackend::plan_attention(const AttentionCall& call) {
 
 AttentionBlockResult TorchBackend::attention_block(const AttentionCall& call) {
   const at::NoGradGuard no_grad;  // the caller owns the gradients of blocks
+  if (call.query.device().type == DeviceType::cuda) return cuda_flash_attention_block(*this, call);
   return detail::cpu_flash_attention_block(*this, call, aten_parallel_for());
 }
 
 AttentionCallGrads TorchBackend::attention_backward(const AttentionCall& call, const Tensor& grad_output,
                                                     const AttentionBlockResult* merged) {
   const at::NoGradGuard no_grad;
+  if (call.query.device().type == DeviceType::cuda) return cuda_flash_attention_backward(*this, call, grad_output, merged);
   return detail::cpu_flash_attention_backward(*this, call, grad_output, merged, aten_parallel_for());
 }
 

@@ -57,8 +57,8 @@ class TorchBackend : public Backend {
   const KernelTable& attention_table() const override;
   AttentionPlanPtr plan_attention(const AttentionCall& call) override;
   // Blocks of a longer attention and their gradients (context parallelism),
-  // and dot_attention_backward: dimattn's CPU kernel on CPU tensors, outside
-  // autograd. Not yet on CUDA tensors.
+  // and dot_attention_backward, outside autograd: dimattn's CPU kernel on CPU
+  // tensors, cuda_flash on CUDA tensors (cuda_flash_path.h).
   AttentionBlockResult attention_block(const AttentionCall& call) override;
   // Context parallelism (torch_context_parallel.cpp): c10d's groups by name,
   // and the ring as one autograd node.

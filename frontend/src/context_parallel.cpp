@@ -41,8 +41,6 @@ constexpr const char* kOp = "dot_attention";
 
 using Range = std::pair<int64_t, int64_t>;  // [start, end) of the whole sequence's positions
 
-const char* name_of(ContextSharding s) { return s == ContextSharding::contiguous ? "contiguous" : "load_balanced"; }
-const char* name_of(ContextStrategy s) { return s == ContextStrategy::ring ? "ring" : "all_gather"; }
 
 // The whole sequence's lengths for the positions of one chunk: how many of
 // its positions are valid per entry.
@@ -53,11 +51,7 @@ Tensor chunk_lengths(const Tensor& lengths, const Range& r) {
 
 // x's positions [start, start + into.extent()) along d, as dim `into`.
 Tensor slice_along(const Tensor& x, const Dim& d, int64_t start, const Dim& into) {
-  const int ax = x.axis_of(d);
-  Dims dims = x.dims();
-  dims[ax] = into;
-  Backend& be = x.backend();
-  return Tensor(std::move(dims), x.dtype(), x.device(), be.slice(x.raw(), ax, start, start + into.extent()), &be);
+  return slice(x, d, start, start + into.extent(), into).first;
 }
 
 // Parts over chunk dims (parts[i] over chunks[i], else alike), joined in
@@ -514,8 +508,6 @@ void check_local(const Tensor& q, const Tensor& k, const Tensor& v, const Attent
                 "whole sequence would have to be split with it); call without them or on one process");
   DIMATTN_CHECK(!TraceScope::capturing(), kOp, "context_parallel calls cannot be traced (the energies live on every ",
                 "rank); trace a single-process call");
-  DIMATTN_CHECK(q.device().type == DeviceType::cpu, kOp, "context_parallel runs dimattn's CPU kernel on each block; ",
-                "got tensors on CUDA (CUDA blocks are not implemented yet)");
   if (cp.lengths) {
     DIMATTN_CHECK(!o.axis.is_dynamic(), kOp, "context_parallel has the whole sequence's lengths, and axis ",
                   o.axis.repr(), " is dynamic too; give each rank's shard a static axis of its size");

@@ -19,30 +19,53 @@ struct Variant {
   bool window_alibi;
 };
 
+// Where blocks run: each backend's CPU kernel in float64, and cuda_flash on
+// CUDA tensors (bfloat16, head dim 64; skipped without a GPU). The whole call
+// is always computed on the CPU in float64 from the same (rounded) values.
+struct Place {
+  std::string backend;
+  Device device;
+  DType dtype;
+  int64_t head_dim;
+  double tol;  // outputs; gradients twice it
+};
+
 TEST(Blocks, MergedBlocksEqualTheWholeCall) {
   const std::vector<Variant> variants = {{"plain", false, 0.0, false},       {"causal", true, 0.0, false},
                                          {"dropout", false, 0.3, false},     {"causal dropout", true, 0.3, false},
                                          {"window + ALiBi", true, 0.0, true}, {"window + ALiBi, no causal", false, 0, true}};
   const std::vector<std::pair<int64_t, int64_t>> q_chunks = {{0, 4}, {4, 10}}, kv_chunks = {{0, 3}, {3, 7}, {7, 10}};
-  int ran = 0, backends = 0;
-  for (const std::string backend : {"eigen", "torch"}) {
-    if (!has_backend(backend)) continue;
-    ++backends;
+  // bfloat16 (docs/numerics.md): each block's output is rounded before the merge.
+  const std::vector<Place> places = {{"eigen", kCPU, DType::float64, 8, 1e-10},
+                                     {"torch", kCPU, DType::float64, 8, 1e-10},
+                                     {"torch", kCUDA, DType::bfloat16, 64, 2e-2}};
+  int ran = 0, expected = 0;
+  for (const Place& place : places) {
+    if (!has_backend(place.backend) || !get_backend(place.backend).supports(place.device)) continue;
+    expected += static_cast<int>(variants.size());
+    const std::string backend = place.backend;
     for (const Variant& var : variants) {
-      SCOPED_TRACE(backend + ", " + var.name);
+      SCOPED_TRACE(backend + (place.device == kCUDA ? " cuda, " : ", ") + var.name);
       const TensorOptions o64{.dtype = DType::float64, .backend = backend};
-      Dim batch("batch", 2), heads("heads", 2), time("time", 10), feat("feat", 8), vfeat("vfeat", 4);
-      const Tensor q = random_normal({batch, heads, time, feat}, 1, o64);
-      const Tensor k = random_normal({batch, heads, time, feat}, 2, o64);
-      const Tensor v = random_normal({batch, heads, time, vfeat}, 3, o64);
-      const Tensor dout = random_normal({batch, heads, time, vfeat}, 4, o64);
-      auto options = [&](const Dim& qd, const Dim& kd) {
+      // To the place's device and dtype, and back to the CPU in float64.
+      auto there = [&](const Tensor& x) { return to_device(cast(x, place.dtype), place.device); };
+      auto back = [&](const Tensor& x) { return cast(to_device(x, kCPU), DType::float64); };
+      Dim batch("batch", 2), heads("heads", 2), time("time", 10), feat("feat", place.head_dim),
+          vfeat("vfeat", place.device == kCUDA ? place.head_dim : 4);
+      const Tensor qx = there(random_normal({batch, heads, time, feat}, 1, o64));
+      const Tensor kx = there(random_normal({batch, heads, time, feat}, 2, o64));
+      const Tensor vx = there(random_normal({batch, heads, time, vfeat}, 3, o64));
+      const Tensor doutx = there(random_normal({batch, heads, time, vfeat}, 4, o64));
+      const Tensor q = back(qx), k = back(kx), v = back(vx), dout = back(doutx);
+      // placed: for the blocks (ALiBi's slopes on the place's device).
+      auto options = [&](const Dim& qd, const Dim& kd, bool placed = false) {
         AttentionOptions o{.key_dim = feat, .axis = kd, .att_dropout = var.dropout};
         if (var.causal) o.causal_query_spatial_dim = qd;
         else o.query_position_dim = qd;
         if (var.window_alibi) {
           o.window = AttentionWindow{.left = 3};
-          o.alibi_slopes = from_host({heads}, {0.5, 0.25}, o64);
+          const Tensor slopes = from_host({heads}, {0.5, 0.25}, o64);
+          o.alibi_slopes = placed ? to_device(slopes, place.device) : slopes;
         }
         return o;
       };
@@ -64,19 +87,20 @@ TEST(Blocks, MergedBlocksEqualTheWholeCall) {
         dv_parts.push_back(zeros({batch, heads, kd, vfeat}, o64));
       }
       for (const auto& [qs, qe] : q_chunks) {
-        const auto [qc, qd] = slice(q, time, qs, qe);
-        const Tensor dout_c = slice(dout, time, qs, qe, qd).first;
+        const auto [qc, qd] = slice(qx, time, qs, qe);
+        const Tensor dout_c = slice(doutx, time, qs, qe, qd).first;
         // The forward blocks of this query chunk, merged through the lse.
         std::vector<AttentionBlock> blocks;
         std::vector<std::pair<Tensor, Tensor>> kvs;
         std::vector<AttentionOptions> opts;
         for (const auto& [ks, ke] : kv_chunks) {
-          const auto [kc, kd] = slice(k, time, ks, ke);
-          const Tensor vc = slice(v, time, ks, ke, kd).first;
-          AttentionOptions o = options(qd, kd);
+          const auto [kc, kd] = slice(kx, time, ks, ke);
+          const Tensor vc = slice(vx, time, ks, ke, kd).first;
+          AttentionOptions o = options(qd, kd, true);
           o.positions = AttentionPositions{qs, ks};
           set_random_seed(5);
-          blocks.push_back(dot_attention_block(qc, kc, vc, o));
+          const AttentionBlock b = dot_attention_block(qc, kc, vc, o);
+          blocks.push_back({back(b.output), back(b.lse)});
           kvs.emplace_back(kc, vc);
           opts.push_back(o);
         }
@@ -87,34 +111,41 @@ TEST(Blocks, MergedBlocksEqualTheWholeCall) {
         const Tensor lse = top + log(sum);
         Tensor out = zeros({batch, heads, qd, vfeat}, o64);
         for (const AttentionBlock& b : blocks) out = out + exp(b.lse - lse) * b.output;
-        EXPECT_LT(testing::max_abs_diff(out, slice(whole, time, qs, qe, qd).first, out.dims()), 1e-10) << "output";
+        EXPECT_LT(testing::max_abs_diff(out, slice(whole, time, qs, qe, qd).first, out.dims()), place.tol) << "output";
 
+        // The merged output and lse as the kernel takes them: the call's
+        // dtype, float32 lse (float64 for float64), on the place's device.
+        const AttentionBlock merged{there(out), to_device(cast(lse, place.dtype == DType::float64 ? DType::float64
+                                                                                              : DType::float32),
+                                                        place.device)};
         Tensor dq = zeros(qc.dims(), o64);
         for (size_t b = 0; b < blocks.size(); ++b) {
           set_random_seed(5);
           const AttentionGrads gb =
-              dot_attention_block_backward(qc, kvs[b].first, kvs[b].second, opts[b], {out, lse}, dout_c);
-          dq = dq + gb.query;
+              dot_attention_block_backward(qc, kvs[b].first, kvs[b].second, opts[b], merged, dout_c);
+          dq = dq + back(gb.query);
           // This chunk's kv dim is a slice of its own: renamed to the part's.
-          dk_parts[b] = dk_parts[b] + replace_dim(gb.keys, opts[b].axis, dk_parts[b].dims()[2]);
-          dv_parts[b] = dv_parts[b] + replace_dim(gb.values, opts[b].axis, dv_parts[b].dims()[2]);
+          dk_parts[b] = dk_parts[b] + replace_dim(back(gb.keys), opts[b].axis, dk_parts[b].dims()[2]);
+          dv_parts[b] = dv_parts[b] + replace_dim(back(gb.values), opts[b].axis, dv_parts[b].dims()[2]);
         }
-        EXPECT_LT(testing::max_abs_diff(dq, slice(g.query, time, qs, qe, qd).first, dq.dims()), 1e-10) << "d(query)";
+        EXPECT_LT(testing::max_abs_diff(dq, slice(g.query, time, qs, qe, qd).first, dq.dims()), 2 * place.tol)
+            << "d(query)";
       }
       for (size_t b = 0; b < kv_chunks.size(); ++b) {
         const Dim kd = dk_parts[b].dims()[2];
         const auto [ks, ke] = kv_chunks[b];
-        EXPECT_LT(testing::max_abs_diff(dk_parts[b], slice(g.keys, time, ks, ke, kd).first, dk_parts[b].dims()), 1e-10)
+        EXPECT_LT(testing::max_abs_diff(dk_parts[b], slice(g.keys, time, ks, ke, kd).first, dk_parts[b].dims()),
+                  2 * place.tol)
             << "d(keys) block " << b;
         EXPECT_LT(testing::max_abs_diff(dv_parts[b], slice(g.values, time, ks, ke, kd).first, dv_parts[b].dims()),
-                  1e-10)
+                  2 * place.tol)
             << "d(values) block " << b;
       }
       ++ran;
     }
   }
   if (ran == 0) GTEST_SKIP() << "no backend with a CPU kernel";
-  EXPECT_EQ(ran, backends * static_cast<int>(variants.size()));
+  EXPECT_EQ(ran, expected);
 }
 
 // Dropout keyed by positions: the blocks of one sequence draw the single

@@ -160,7 +160,8 @@ AttentionGrads dot_attention_backward(const Tensor& query, const Tensor& keys, c
 // Context parallelism's building blocks (docs/distributed.md): a call as one
 // block of a longer attention — its kv positions a part of the sequence, its
 // place given by opts.positions — computed by dimattn's CPU kernel on the
-// Eigen and torch backends (CPU tensors; not yet CUDA), outside autograd.
+// Eigen and torch backends, and by cuda_flash for CUDA tensors on the torch
+// backend (unverified on a GPU so far), outside autograd.
 // `output` is dot_attention's result for the block; `lse` the log-sum-exp of
 // each query row's energies after every mask (natural log, float32, float64
 // for float64 calls; -inf for a row the block leaves empty) over the output's
