@@ -109,6 +109,7 @@ class Ring {
     }
     softcap_ = o.softcap;
     alibi_ = o.alibi_slopes;
+    off_by_one_ = o.sink_off_by_one;
     const int64_t t_local = q.has(axis_) ? axis_.extent() : 0;
     const std::vector<double> meta{double(t_local),
                                    double(seed_ >> 32),
@@ -121,6 +122,7 @@ class Ring {
                                    double(window_left_),
                                    double(window_right_),
                                    double(lengths_.has_value()),
+                                   double(o.sinks.has_value()) + 2.0 * double(o.sink_off_by_one),
                                    double(local_error != nullptr)};
     const auto n = static_cast<int64_t>(meta.size());
     std::vector<RawPtr> all;
@@ -128,14 +130,14 @@ class Ring {
     std::vector<std::vector<double>> metas;
     for (const RawPtr& r : all) metas.push_back(be_.to_host(r));
     for (int r = 0; r < world_; ++r) {
-      if (metas[r][11] != 0) {
+      if (metas[r][12] != 0) {
         if (r == rank_) std::rethrow_exception(local_error);
         fail(kOp, "context_parallel: rank ", r, " of the group failed to prepare its call (its own error says why); ",
              "every rank makes the same call with its own shard");
       }
-      DIMATTN_CHECK(std::equal(metas[r].begin() + 3, metas[r].begin() + 11, metas[0].begin() + 3), kOp,
+      DIMATTN_CHECK(std::equal(metas[r].begin() + 3, metas[r].begin() + 12, metas[0].begin() + 3), kOp,
                     "context_parallel: rank ", r, " calls with other options than rank 0 (sharding, strategy, causal, ",
-                    "dropout, window, lengths); every rank must make the same call");
+                    "dropout, window, lengths, sinks); every rank must make the same call");
       sizes_.push_back(static_cast<int64_t>(metas[r][0]));
     }
     seed_ = (uint64_t(metas[0][1]) << 32) | uint64_t(metas[0][2]);  // rank 0's draw, shared
@@ -157,8 +159,10 @@ class Ring {
     for (int r = 0; r < world_; ++r) shard_dims_.emplace_back(axis_.name() + "@" + std::to_string(r), sizes_[r]);
   }
 
-  // This rank's output and, per query chunk, the lse of its rows.
-  CustomFunction::Result forward(const Tensor& q, const Tensor& k, const Tensor& v) {
+  // This rank's output and, per query chunk, the lse of its rows. `sinks`:
+  // the call's learnable sinks (else the off-by-one sink, or none).
+  CustomFunction::Result forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const std::optional<Tensor>& sinks) {
     const std::vector<Chunk> mine = chunks(rank_);
     std::vector<Tensor> acc_out, acc_lse;
     for (const Chunk& c : mine) {
@@ -172,6 +176,11 @@ class Ring {
         merge(acc_out[b.i], acc_lse[b.i], res.output, res.lse);
       });
     });
+    // A sink joins every row's denominator once, with no value: one more
+    // block of lse = its logit and output 0.
+    const std::optional<Tensor> sink = sinks ? sinks : off_by_one_ ? std::optional(scalar_like(q, 0)) : std::nullopt;
+    if (sink)
+      for (size_t i = 0; i < mine.size(); ++i) merge(acc_out[i], acc_lse[i], scalar_like(q, 0), *sink);
     std::vector<Tensor> outs;
     std::vector<Dim> q_dims;
     for (size_t i = 0; i < mine.size(); ++i) {
@@ -182,11 +191,13 @@ class Ring {
     result.outputs = {concat_along(outs, q_dims, axis_)};
     result.saved = {q, k, v, result.outputs[0]};
     result.saved.insert(result.saved.end(), acc_lse.begin(), acc_lse.end());
+    if (sinks) result.saved.push_back(*sinks);
     return result;
   }
 
-  // d(query), d(keys), d(values) from the saved tensors and d(output).
-  std::vector<Tensor> backward(const std::vector<Tensor>& saved, const Tensor& dout) {
+  // d(query), d(keys), d(values) (and d(sinks) with learnable sinks) from
+  // the saved tensors and d(output).
+  std::vector<Tensor> backward(const std::vector<Tensor>& saved, const Tensor& dout, bool with_sinks) {
     const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3];
     const std::vector<Chunk> mine = chunks(rank_);
     std::vector<Tensor> dq;  // per query chunk, in acc_dtype
@@ -253,8 +264,33 @@ class Ring {
     std::vector<Dim> q_dims;
     for (const Chunk& c : mine) q_dims.push_back(c.q_dim);
     const auto [gk, gv] = unpack(own, rank_, acc_dtype());
-    return {cast(concat_along(dq, q_dims, axis_), dtype_), cast(replace_dim(gk, shard_dims_[rank_], axis_), dtype_),
-            cast(replace_dim(gv, shard_dims_[rank_], axis_), dtype_)};
+    std::vector<Tensor> grads{cast(concat_along(dq, q_dims, axis_), dtype_),
+                              cast(replace_dim(gk, shard_dims_[rank_], axis_), dtype_),
+                              cast(replace_dim(gv, shard_dims_[rank_], axis_), dtype_)};
+    if (with_sinks) grads.push_back(sinks_gradient(saved, dout));
+    return grads;
+  }
+
+  // d(sinks) of this rank's rows: -sum_i exp(sink - lse_i) (dO_i . O_i),
+  // summed over the dims the sinks lack (each rank's part; summed over the
+  // ranks, as replicated parameters' gradients are, it is the whole call's).
+  Tensor sinks_gradient(const std::vector<Tensor>& saved, const Tensor& dout) {
+    const Tensor& out = saved[3];
+    const Tensor& sinks = saved.back();
+    const Tensor s = cast(sinks, acc_dtype());
+    const std::vector<Chunk> mine = chunks(rank_);
+    std::optional<Tensor> total;
+    for (size_t i = 0; i < mine.size(); ++i) {
+      const Chunk& c = mine[i];
+      const Tensor& lse = saved[4 + i];
+      const Tensor rows = reduce_sum(mul(cast(slice_along(dout, axis_, c.offset, c.q_dim), acc_dtype()),
+                                         cast(slice_along(out, axis_, c.offset, c.q_dim), acc_dtype())),
+                                     value_features());
+      const Tensor part = mul(exp(sub(s, lse)), rows);
+      const Tensor summed = reduce_sum(part, without(part.dims(), sinks.dims()));
+      total = total ? add(*total, summed) : summed;
+    }
+    return cast(copy_transpose(neg(*total), sinks.dims()), sinks.dtype());
   }
 
   // fn() on every rank, then one all-reduce of who failed: a rank whose peer
@@ -477,6 +513,7 @@ class Ring {
   int64_t window_left_ = -1, window_right_ = -1;
   std::optional<double> softcap_;
   std::optional<Tensor> alibi_;
+  bool off_by_one_ = false;
   std::vector<int64_t> sizes_;
   std::vector<std::vector<Range>> ranges_;
   std::vector<Dim> shard_dims_;  // per rank: its shard's positions, as received
@@ -500,11 +537,9 @@ void check_local(const Tensor& q, const Tensor& k, const Tensor& v, const Attent
   };
   unsupported(o.causal_offset.has_value(), "causal_offset");
   unsupported(o.positions.has_value(), "positions");
-  unsupported(o.sinks.has_value(), "sinks");
-  unsupported(o.sink_off_by_one, "sink_off_by_one");
   unsupported(o.bias.has_value(), "bias");
   unsupported(o.mask.has_value(), "mask");
-  DIMATTN_CHECK(bad.empty(), kOp, "context_parallel does not take ", bad, " yet (a bias, mask, sink or offset over the ",
+  DIMATTN_CHECK(bad.empty(), kOp, "context_parallel does not take ", bad, " yet (a bias, mask or offset over the ",
                 "whole sequence would have to be split with it); call without them or on one process");
   DIMATTN_CHECK(!TraceScope::capturing(), kOp, "context_parallel calls cannot be traced (the energies live on every ",
                 "rank); trace a single-process call");
@@ -563,13 +598,16 @@ Tensor detail::context_parallel_attention(const Tensor& query, const Tensor& key
   ring->agree(query, keys, values, o, prepared ? &prepared->call : nullptr, error);
 
   auto fn = std::make_shared<CustomFunction>();
-  fn->forward = [ring](const std::vector<Tensor>& in) {
-    return ring->guarded([&] { return ring->forward(in[0], in[1], in[2]); });
+  const bool learnable = o.sinks.has_value();
+  fn->forward = [ring, learnable](const std::vector<Tensor>& in) {
+    return ring->guarded([&] { return ring->forward(in[0], in[1], in[2], learnable ? std::optional(in[3]) : std::nullopt); });
   };
-  fn->backward = [ring](const std::vector<Tensor>& saved, const std::vector<Tensor>& grads) {
-    return ring->guarded([&] { return ring->backward(saved, grads[0]); });
+  fn->backward = [ring, learnable](const std::vector<Tensor>& saved, const std::vector<Tensor>& grads) {
+    return ring->guarded([&] { return ring->backward(saved, grads[0], learnable); });
   };
-  return be.apply_custom_function({query, keys, values}, fn)[0];
+  std::vector<Tensor> inputs{query, keys, values};
+  if (learnable) inputs.push_back(*o.sinks);
+  return be.apply_custom_function(inputs, fn)[0];
 }
 
 }  // namespace dimattn

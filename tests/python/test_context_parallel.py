@@ -54,7 +54,7 @@ def _entry(rank, world, port, worker, args):
 # --- the cases ----------------------------------------------------------------------
 
 def _case(rank, world, *, T, causal, sharding, strategy, dropout=0.0, lengths=None, gqa=False, window=None,
-          softcap=None, alibi=False, dtype=torch.float32, tol=1e-5):
+          softcap=None, alibi=False, sinks=False, off_by_one=False, dtype=torch.float32, tol=1e-5):
     """One call on the whole sequence (single process) and context-parallel;
     compares this rank's shards. Returns whether dropout changed the output (when on)."""
     B, Hkv, G, D = 2, 2, (2 if gqa else 1), 8
@@ -73,7 +73,8 @@ def _case(rank, world, *, T, causal, sharding, strategy, dropout=0.0, lengths=No
     t = da.Dim.dynamic("time", len_t) if len_t is not None else da.Dim("time", T)
     slopes = da.Tensor(torch.tensor([0.5, 0.25], dtype=dtype), [h]) if alibi else None
     opts = dict(key_dim=f, att_dropout=dropout, train=dropout > 0, window=window, softcap=softcap,
-                alibi_slopes=slopes)
+                alibi_slopes=slopes, sink_off_by_one=off_by_one)
+    sink_logits = torch.tensor([0.7, -0.4], dtype=dtype)
 
     def call(q, k, v, tdim, **kw):
         pos = dict(causal_query_spatial_dim=tdim) if causal else dict(query_position_dim=tdim)
@@ -81,9 +82,9 @@ def _case(rank, world, *, T, causal, sharding, strategy, dropout=0.0, lengths=No
                                 da.Tensor(v, [b, h, tdim, f]), axis=tdim, **pos, **{**opts, **kw})
 
     # Single process, from the same generator state as the ranks' call below.
-    q1, k1, v1 = (x.clone().requires_grad_() for x in (qf, kf, vf))
+    q1, k1, v1, s1 = (x.clone().requires_grad_() for x in (qf, kf, vf, sink_logits))
     torch.manual_seed(99)
-    ref = call(q1, k1, v1, t)
+    ref = call(q1, k1, v1, t, **({"sinks": da.Tensor(s1, [h])} if sinks else {}))
     (ref.raw * gof).sum().backward()
 
     cp = da.ContextParallel(None, sharding, strategy, timeout=60)
@@ -97,9 +98,18 @@ def _case(rank, world, *, T, causal, sharding, strategy, dropout=0.0, lengths=No
     qs = da.shard(da.Tensor(qf, qdims_full + [t, f]), t, cp, tl).raw.clone().requires_grad_()
     assert torch.equal(qs, sh(qf))
     ks, vs = (sh(x).clone().requires_grad_() for x in (kf, vf))
+    s2 = sink_logits.clone().requires_grad_()
     torch.manual_seed(99)
-    out = call(qs, ks, vs, tl, context_parallel=cp)
+    out = call(qs, ks, vs, tl, context_parallel=cp, **({"sinks": da.Tensor(s2, [h])} if sinks else {}))
     (out.raw * sh(gof)).sum().backward()
+    if sinks:
+        # A replicated parameter: its gradient summed over the ranks is the
+        # whole call's.
+        dsinks = s2.grad.clone()
+        dist.all_reduce(dsinks)
+        err = (dsinks - s1.grad).abs().max().item()
+        assert err <= 2 * tol, f"rank {rank}/{world} d(sinks): max error {err} > {2 * tol}"
+        assert s1.grad.abs().max().item() > 1e-3, "d(sinks) is zero: the sinks case tests nothing"
     assert [d.name for d in out.dims] == [d.name for d in ref.dims]
     # docs/numerics.md's tolerances: `tol` for outputs, twice it for gradients.
     for name, got, want, limit in (("output", out.raw, sh(ref.raw.detach()), tol),
@@ -133,6 +143,10 @@ def _cases_worker(rank, world, expected):
     _case(rank, world, T=T_lb, causal=True, sharding="load_balanced", strategy="ring", window=(5, None), softcap=20.0,
           alibi=True)
     ran.append("window + softcap + ALiBi")
+    _case(rank, world, T=T_lb, causal=True, sharding="load_balanced", strategy="ring", sinks=True, gqa=True)
+    ran.append("sinks")
+    _case(rank, world, T=T, causal=False, sharding="contiguous", strategy="all_gather", off_by_one=True)
+    ran.append("sink_off_by_one")
     _case(rank, world, T=T, causal=False, sharding="contiguous", strategy="ring", dtype=torch.float64, tol=1e-12)
     ran.append("float64")
     # bfloat16: the merge in float32 rounds once more than one process does
@@ -147,7 +161,7 @@ def _cases_worker(rank, world, expected):
 
 
 EXPECTED = ["non-causal", "causal contiguous", "causal load-balanced", "causal load-balanced all_gather", "padding",
-            "GQA", "window + softcap + ALiBi", "float64", "bfloat16", "dropout exact ring", "dropout exact all_gather"]
+            "GQA", "window + softcap + ALiBi", "sinks", "sink_off_by_one", "float64", "bfloat16", "dropout exact ring", "dropout exact all_gather"]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -186,8 +200,9 @@ def _errors_worker(rank, world):
     _expect_error(lambda: da.dot_attention(x, x, x, key_dim=f, axis=t, causal_query_spatial_dim=t,
                                            context_parallel=da.ContextParallel(solo)), "group of size 1")
     # Options this path does not take yet.
-    _expect_error(lambda: da.dot_attention(x, x, x, key_dim=f, axis=t, causal_query_spatial_dim=t,
-                                           sink_off_by_one=True, context_parallel=cp), "sink_off_by_one")
+    keep = da.Tensor(torch.ones(2, T_local, dtype=torch.bool), [b, t])
+    _expect_error(lambda: da.dot_attention(x, x, x, key_dim=f, axis=t, causal_query_spatial_dim=t, mask=keep,
+                                           context_parallel=cp), "does not take mask")
 
 
 def test_bad_input_raises_on_every_rank():

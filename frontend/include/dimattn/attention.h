@@ -137,7 +137,7 @@ struct AttentionOptions {
   // query_position_dim) or self-attention's axis.
   std::optional<AttentionPositions> positions;
   // Split the call across a process group (ContextParallel). Not with
-  // causal_offset, positions, sinks, bias, mask or energy tracing yet.
+  // causal_offset, positions, bias, mask or energy tracing yet.
   std::optional<ContextParallel> context_parallel;
 };
 
