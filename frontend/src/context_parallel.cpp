@@ -42,13 +42,6 @@ constexpr const char* kOp = "dot_attention";
 using Range = std::pair<int64_t, int64_t>;  // [start, end) of the whole sequence's positions
 
 
-// The whole sequence's lengths for the positions of one chunk: how many of
-// its positions are valid per entry.
-Tensor chunk_lengths(const Tensor& lengths, const Range& r) {
-  const Tensor from = sub(cast(lengths, DType::int64), scalar_like(cast(lengths, DType::int64), double(r.first)));
-  return minimum(maximum(from, scalar_like(from, 0)), scalar_like(from, double(r.second - r.first)));
-}
-
 // x's positions [start, start + into.extent()) along d, as dim `into`.
 Tensor slice_along(const Tensor& x, const Dim& d, int64_t start, const Dim& into) {
   return slice(x, d, start, start + into.extent(), into).first;
@@ -352,7 +345,7 @@ class Ring {
 
   Dim chunk_dim(const std::string& name, const Range& r) const {
     if (!lengths_) return Dim(name, r.second - r.first);
-    return Dim::dynamic(name, chunk_lengths(*lengths_, r), r.second - r.first);
+    return Dim::dynamic(name, window_lengths(*lengths_, r.first, r.second - r.first), r.second - r.first);
   }
 
   // Whether a mask leaves every element of the block empty (no kernel call).

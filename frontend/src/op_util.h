@@ -24,6 +24,9 @@ Dims union_dims(const Dims& a, const Dims& b);
 Dims without(const Dims& dims, const Dims& remove);
 // A rank-0 tensor with x's dtype, device and backend.
 Tensor scalar_like(const Tensor& x, double value);
+// Per entry, how many of the positions [start, start + size) lie within
+// `lengths` (the valid part of a window of a dynamic dim), as int64.
+Tensor window_lengths(const Tensor& lengths, int64_t start, int64_t size);
 
 
 }  // namespace dimattn::detail

@@ -49,6 +49,11 @@ Dims without(const Dims& dims, const Dims& remove) {
 
 Tensor scalar_like(const Tensor& x, double value) { return full({}, value, options_like(x)); }
 
+Tensor window_lengths(const Tensor& lengths, int64_t start, int64_t size) {
+  const Tensor from = add(cast(lengths, DType::int64), -static_cast<double>(start));
+  return minimum(maximum(from, scalar_like(from, 0)), scalar_like(from, static_cast<double>(size)));
+}
+
 }  // namespace detail
 
 using namespace detail;

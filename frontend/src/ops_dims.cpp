@@ -168,13 +168,8 @@ std::pair<Tensor, Dim> slice(const Tensor& x, const Dim& axis, int64_t start, in
         ") is outside ", axis.repr());
   Dim out = out_dim.value_or(Dim(axis.name() + "[" + std::to_string(start) + ":" + std::to_string(end) + "]",
                                  end - start));
-  if (axis.is_dynamic() && !out_dim) {
-    const TensorOptions int_opts = options_like(axis.lengths(), DType::int64);
-    Tensor len = cast(axis.lengths(), DType::int64);
-    len = minimum(maximum(add(len, -static_cast<double>(start)), full({}, 0.0, int_opts)),
-                  full({}, static_cast<double>(end - start), int_opts));
-    out = Dim::dynamic(out.name(), len, end - start);
-  }
+  if (axis.is_dynamic() && !out_dim)
+    out = Dim::dynamic(out.name(), window_lengths(axis.lengths(), start, end - start), end - start);
   DIMATTN_CHECK(out.extent() == end - start, "slice", "out dim ", out.repr(), " does not have the extent ", end - start);
   Dims dims = x.dims();
   dims[x.axis_of(axis)] = out;
