@@ -116,6 +116,8 @@ class Ring {
                                    double(window_right_),
                                    double(lengths_.has_value()),
                                    double(o.sinks.has_value()) + 2.0 * double(o.sink_off_by_one),
+                                   double(per_position(kdims_)),
+                                   double(per_position(vdims_)),
                                    double(local_error != nullptr)};
     const auto n = static_cast<int64_t>(meta.size());
     std::vector<RawPtr> all;
@@ -123,14 +125,16 @@ class Ring {
     std::vector<std::vector<double>> metas;
     for (const RawPtr& r : all) metas.push_back(be_.to_host(r));
     for (int r = 0; r < world_; ++r) {
-      if (metas[r][12] != 0) {
+      if (metas[r][14] != 0) {
         if (r == rank_) std::rethrow_exception(local_error);
         fail(kOp, "context_parallel: rank ", r, " of the group failed to prepare its call (its own error says why); ",
              "every rank makes the same call with its own shard");
       }
-      DIMATTN_CHECK(std::equal(metas[r].begin() + 3, metas[r].begin() + 12, metas[0].begin() + 3), kOp,
-                    "context_parallel: rank ", r, " calls with other options than rank 0 (sharding, strategy, causal, ",
-                    "dropout, window, lengths, sinks); every rank must make the same call");
+      DIMATTN_CHECK(std::equal(metas[r].begin() + 3, metas[r].begin() + 14, metas[0].begin() + 3), kOp,
+                    "context_parallel: rank ", r, " calls with other options or other sizes of the dims but axis than ",
+                    "rank 0 (sharding, strategy, causal, dropout, window, lengths, sinks; keys and values have ",
+                    metas[r][12], " and ", metas[r][13], " elements per position there, ", metas[0][12], " and ",
+                    metas[0][13], " on rank 0); every rank must make the same call on its own shard");
       sizes_.push_back(static_cast<int64_t>(metas[r][0]));
     }
     seed_ = (uint64_t(metas[0][1]) << 32) | uint64_t(metas[0][2]);  // rank 0's draw, shared

@@ -190,6 +190,13 @@ def _errors_worker(rank, world):
     # Shard sizes inconsistent across ranks: every rank raises.
     _expect_error(lambda: da.dot_attention(x, x, x, key_dim=f, axis=t, causal_query_spatial_dim=t,
                                            context_parallel=cp), "shard lengths", "load_balanced")
+    # Other sizes of the other dims on one rank (rank 2's batch).
+    b2 = da.Dim("batch", 3 if rank == 2 else 2)
+    z = da.Tensor(torch.randn(b2.size, T_local if rank != 1 else 4, 8), [b2, da.Dim("time", 4) if rank == 1 else t, f])
+    tz = z.dims[1]
+    _expect_error(lambda: da.dot_attention(z, z, z, key_dim=f, axis=tz, causal_query_spatial_dim=tz,
+                                           context_parallel=da.ContextParallel(None, "contiguous", "ring", timeout=30)),
+                  "rank 2 calls with other options or other sizes")
     # Sharding a dim that is not the query's positional dim (cross-attention).
     kv = da.Dim("kv", 5)
     y = da.Tensor(torch.randn(2, 5, 8), [b, kv, f])
