@@ -83,38 +83,6 @@ AttentionCase problem_of(const Args& a) {
   return p;
 }
 
-// The params the decision was made for: Decision carries them once the
-// library adds that field; until then they are rebuilt from the problem, as
-// the backends form them for these operands (separate contiguous tensors).
-template <class D>
-std::string params_line(const D& d, const AttentionCase& p, const Operands& ops) {
-  if constexpr (requires { d.params.describe(); }) {
-    return d.params.describe();
-  } else {
-    AttentionParams a;
-    a.device = p.device.type;
-    a.dtype = p.dtype;
-    a.head_dim_qk = p.head_dim;
-    a.head_dim_v = p.head_dim_v;
-    a.causal = p.causal;
-    a.offset = p.offsets.empty() ? OffsetKind::none : OffsetKind::nonzero;
-    a.dropout = train_flag() && p.dropout > 0;
-    a.dropout_broadcast = a.dropout && p.broadcast_dropout;
-    a.padding = !p.lengths.empty();
-    a.gqa_ratio = p.groups;
-    a.window = p.window_left || p.window_right;
-    a.softcap = p.softcap.has_value();
-    a.alibi = p.alibi;
-    a.sinks = p.sinks;
-    a.bias = !p.bias.empty();
-    a.mask = !p.mask.empty();
-    a.requires_grad = ops.q.requires_grad();
-    a.deterministic = deterministic_algorithms();
-    a.forced = current_kernel_force().describe();
-    return a.describe() + "  (rebuilt by the CLI)";
-  }
-}
-
 }  // namespace
 
 int run_explain(int argc, char** argv, int first) {
@@ -135,7 +103,7 @@ int run_explain(int argc, char** argv, int first) {
   std::printf("call      %s\n", p.describe().c_str());
   std::printf("query     %s\nkeys      %s\nvalues    %s\n", ops.q.repr().c_str(), ops.k.repr().c_str(),
               ops.v.repr().c_str());
-  std::printf("params    %s\n", params_line(d, p, ops).c_str());
+  std::printf("params    %s\n", d.params.describe().c_str());
   std::printf("selected  %s\n", d.kernel.c_str());
   std::printf("candidates of %s on %s, in priority order:\n", p.backend.c_str(), device_name(p.device).c_str());
   bool after = false;  // candidates after the chosen one were not tried: ask each on its own

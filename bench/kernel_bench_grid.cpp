@@ -121,7 +121,7 @@ Row run_config(const Options& o, const std::string& dtype, int64_t D, int64_t T,
   k::AttentionKernelParams windowed = pr.p;
   const at::Tensor window_out = at::empty_like(pr.out);  // its own output: pr.out is compared with ATen's
   if (causal && o.window > 0) {
-    windowed.window_left = o.window;
+    windowed.bounds.window_left = o.window;
     windowed.out = window_out.data_ptr();
     windowed.lse = nullptr;
     vs.push_back({"ours window fwd", [&] { k::flash_attention_forward_cpu(windowed, pf); }});

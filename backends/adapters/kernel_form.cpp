@@ -164,8 +164,7 @@ void flash_params(FlashParams& pr, const AttentionCall& c, const FlashLayout& l,
   p.rng_offset = static_cast<uint32_t>(c.dropout_offset);
   p.dropout_q_position = c.dropout_q_position;
   p.dropout_kv_position = c.dropout_kv_position;
-  p.window_left = c.window_left;
-  p.window_right = c.window_right;
+  p.bounds = {c.window_left, c.window_right};
   p.softcap = c.softcap;
   const int64_t H = l.Hkv * l.G;
   auto per_head = [&](const Tensor& t, std::vector<double>& out) { out = host_values(t, per_head_dims(c)); };

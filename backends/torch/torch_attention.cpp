@@ -44,20 +44,18 @@ bool is_16bit(DType d) { return d == DType::bfloat16 || d == DType::float16; }
 
 // --- gates: what each ATen kernel can run, as values with reasons ---
 
-// ATen's kernels take at most an additive mask: a window or ALiBi would be a
+// ATen's kernels take none of dimattn's variants: a window or ALiBi would be a
 // materialised [B, H, Tq, Tk] bias, which costs what the reference path
-// costs; soft-capping and sinks they cannot express. dimattn's own kernels
-// (cpu_flash, cuda_flash) compute them in the tiles.
+// costs; a bias or mask could ride in attn_mask, but without d(bias) on every
+// kernel; soft-capping and sinks they cannot express. dimattn's own kernels
+// (cpu_flash, cuda_flash) compute them in the tiles. Rejecting by the set,
+// not by name, keeps a new variant off ATen's paths without a change here.
 GateResult variants_gate(const AttentionParams& p) {
-  if (p.bias || p.mask)
-    return GateResult::fail(std::string("takes no ") + (p.bias ? "bias" : "boolean mask") +
-                            " from dimattn: ATen's attn_mask could carry it, but without d(bias) on every kernel "
-                            "and with the masks combined by the caller; cpu_flash and cuda_flash read it per tile");
-  const char* what = p.window ? "a sliding window" : p.alibi ? "ALiBi" : p.softcap ? "soft-capping" : p.sinks ? "sinks" : nullptr;
-  if (!what) return GateResult::pass();
-  return GateResult::fail(std::string("takes no ") + what +
-                          " (ATen's kernels would need it as a materialised [B, H, Tq, Tk] bias or cannot express it); "
-                          "cpu_flash and cuda_flash compute it per tile");
+  if (!p.variants.any()) return GateResult::pass();
+  return GateResult::fail("does not take " + p.variants.names(true) +
+                          " (ATen's kernels would need it as a materialised [B, H, Tq, Tk] bias or attn_mask, "
+                          "without d(bias) on every kernel, or cannot express it); cpu_flash and cuda_flash compute "
+                          "it per tile");
 }
 
 GateResult common_fused_gate(const AttentionParams& p) {

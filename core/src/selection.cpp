@@ -34,9 +34,7 @@ std::string AttentionParams::describe() const {
      << " offset=" << (offset == OffsetKind::none ? "none" : "nonzero") << " dropout=" << dropout
      << " broadcast_dropout=" << dropout_broadcast << " padding=" << padding << " gqa_ratio=" << gqa_ratio
      << " keys_only=" << keys_only << " layout=" << layout_name(layout) << " requires_grad=" << requires_grad
-     << " deterministic=" << deterministic << " window=" << window << " softcap=" << softcap << " alibi=" << alibi
-     << " sinks=" << sinks << " sinks_grad=" << sinks_grad << " bias=" << bias << " bias_grad=" << bias_grad
-     << " mask=" << mask << " forced=" << forced;
+     << " deterministic=" << deterministic << " variants=" << variants.names() << " forced=" << forced;
   return os.str();
 }
 
@@ -52,9 +50,7 @@ size_t AttentionParamsHash::operator()(const AttentionParams& p) const {
   mix(static_cast<uint64_t>(p.offset));
   mix((uint64_t{p.causal} << 0) | (uint64_t{p.dropout} << 1) | (uint64_t{p.dropout_broadcast} << 2) |
       (uint64_t{p.padding} << 3) | (uint64_t{p.keys_only} << 4) | (uint64_t{p.requires_grad} << 5) |
-      (uint64_t{p.deterministic} << 6) | (uint64_t{p.window} << 7) | (uint64_t{p.softcap} << 8) |
-      (uint64_t{p.alibi} << 9) | (uint64_t{p.sinks} << 10) | (uint64_t{p.sinks_grad} << 11) |
-      (uint64_t{p.bias} << 12) | (uint64_t{p.bias_grad} << 13) | (uint64_t{p.mask} << 14));
+      (uint64_t{p.deterministic} << 6) | (uint64_t{p.variants.bits} << 7));
   return h;
 }
 
@@ -94,6 +90,7 @@ bool debug_enabled() {
 Decision decide(const AttentionParams& params, const std::vector<KernelCandidate>& candidates) {
   const KernelForce force = parse_kernel_force(params.forced);
   Decision d;
+  d.params = params;
   for (const auto& c : candidates) {
     if (!force.allows(c.name)) {
       d.rejected.push_back({c.name, "not among the forced kernels (" + force.describe() + ")"});
@@ -193,14 +190,7 @@ AttentionParams attention_params(const AttentionCall& call, LayoutClass layout, 
   for (const Dim& d : call.query_groups) g *= d.extent();
   p.gqa_ratio = g;
   p.keys_only = !call.keys_only.empty();
-  p.window = call.has_window();
-  p.softcap = call.softcap > 0;
-  p.alibi = call.alibi_slopes.has_value();
-  p.sinks = call.sinks.has_value();
-  p.sinks_grad = p.sinks && call.sinks->requires_grad();
-  p.bias = call.bias.has_value();
-  p.bias_grad = p.bias && call.bias->requires_grad();
-  p.mask = call.mask.has_value();
+  p.variants = call.variants();
   p.layout = layout;
   p.requires_grad = requires_grad;
   p.deterministic = deterministic_algorithms();

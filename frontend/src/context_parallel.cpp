@@ -589,6 +589,13 @@ Tensor detail::context_parallel_attention(const Tensor& query, const Tensor& key
   std::exception_ptr error;
   try {
     prepared.emplace(prepare(query, keys, values, local));
+    // The variants the blocks pass on (for_blocks); any other would be dropped.
+    using V = VariantKind;
+    const VariantSet passed =
+        VariantSet().set(V::window).set(V::softcap).set(V::alibi).set(V::sinks).set(V::sinks_grad);
+    const VariantSet other = prepared->call.variants().without(passed);
+    DIMATTN_CHECK(!other.any(), kOp, "context_parallel does not take ", other.names(true), " yet; call without it or on ",
+                  "one process");
   } catch (const Error&) {
     error = std::current_exception();
   }

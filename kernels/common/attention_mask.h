@@ -14,7 +14,7 @@
 //                                                 causal and a right bound: the smaller)
 // with q_len, kv_len the entry's lengths (AttentionKernelParams::q_lengths,
 // kv_lengths; the full extent when absent), offset its causal offset and
-// left/right the window (AttentionKernelParams::window_left/right, negative =
+// left/right the window (RowBounds, AttentionKernelParams::bounds; negative =
 // unbounded). Both bounds are nondecreasing in i over the rows i < q_len,
 // which is what the kernels' loops rely on (a block of rows attends
 // [lo(first), hi(last)), a kv position is attended by a contiguous run of
@@ -52,20 +52,40 @@ struct Range {
   DIMATTN_HD bool contains(int64_t j) const { return lo <= j && j < hi; }
 };
 
+// The positional mask variants, which bound each row's kv range beyond its
+// lengths and causal masking: the sliding window. It is data the kernels
+// carry as a whole (AttentionKernelParams::bounds, the CUDA kernel's
+// DeviceParams::bounds) and read only through EntryMask's lo, hi and
+// rows_reaching below, so a new positional variant is a field here, its
+// clamp, and its terms in those three functions.
+struct RowBounds {
+  int64_t window_left = -1, window_right = -1;  // < 0 = unbounded on that side
+
+  DIMATTN_HD bool any() const { return window_left >= 0 || window_right >= 0; }
+  // Bounds clamped to 2^61, so that i + offset + bound + 1 cannot overflow
+  // (see entry_mask).
+  DIMATTN_HD RowBounds clamped() const {
+    constexpr int64_t kFar = int64_t{1} << 61;
+    return {window_left > kFar ? kFar : window_left, window_right > kFar ? kFar : window_right};
+  }
+};
+
 // The mask of one batch entry.
 struct EntryMask {
   int64_t q_len, kv_len;
   int64_t offset;  // causal offset, clamped to [-2^61, 2^61]
   bool causal;
-  int64_t left = -1, right = -1;  // window bounds, clamped to <= 2^61; < 0 = none
+  RowBounds bounds;  // clamped
 
   DIMATTN_HD int64_t lo(int64_t i) const {
+    const int64_t left = bounds.window_left;
     if (left < 0) return 0;
     const int64_t l = i + offset - left;
     return l > 0 ? l : 0;
   }
   DIMATTN_HD int64_t hi(int64_t i) const {
     if (i >= q_len) return 0;  // padding rows attend nothing
+    const int64_t right = bounds.window_right;
     int64_t h = kv_len;
     if (causal && i + offset + 1 < h) h = i + offset + 1;
     if (right >= 0 && i + offset + right + 1 < h) h = i + offset + right + 1;
@@ -77,6 +97,7 @@ struct EntryMask {
   // The rows [first, end) that attend kv position j, clamped to [0, q_len]
   // (first >= end when none). pre: 0 <= j < kv_len.
   DIMATTN_HD Range rows_reaching(int64_t j) const {
+    const int64_t left = bounds.window_left, right = bounds.window_right;
     // hi(i) > j  <=>  i + offset + 1 > j (causal) and i + offset + right + 1 > j.
     int64_t first = 0;
     if (causal) first = j - offset;
@@ -90,14 +111,14 @@ struct EntryMask {
 };
 
 // The mask of batch entry b from a params struct's per-entry arrays (nullptr
-// = full length, offset 0). Clamping the offset to +-2^61 and the window
+// = full length, offset 0) and bounds. Clamping the offset to +-2^61 and the
 // bounds to 2^61 keeps i + offset + right + 1 from overflowing; neither is
 // clamped to the call's extents, because windows and ALiBi measure from the
 // true diagonal (a block of a longer sequence has offsets far beyond its own
 // seqlen_k, and a window bound past seqlen_q + seqlen_k may still bound it).
 DIMATTN_HD EntryMask entry_mask(const int64_t* q_lengths, const int64_t* kv_lengths, const int64_t* causal_offset,
-                                bool causal, int64_t seqlen_q, int64_t seqlen_k, int64_t b, int64_t window_left = -1,
-                                int64_t window_right = -1) {
+                                bool causal, int64_t seqlen_q, int64_t seqlen_k, int64_t b,
+                                RowBounds bounds = {}) {
   EntryMask m;
   m.q_len = q_lengths ? q_lengths[b] : seqlen_q;
   m.kv_len = kv_lengths ? kv_lengths[b] : seqlen_k;
@@ -105,8 +126,7 @@ DIMATTN_HD EntryMask entry_mask(const int64_t* q_lengths, const int64_t* kv_leng
   const int64_t off = causal_offset ? causal_offset[b] : 0;
   constexpr int64_t kFar = int64_t{1} << 61;
   m.offset = off < -kFar ? -kFar : off > kFar ? kFar : off;
-  m.left = window_left > kFar ? kFar : window_left;
-  m.right = window_right > kFar ? kFar : window_right;
+  m.bounds = bounds.clamped();
   return m;
 }
 

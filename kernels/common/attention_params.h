@@ -37,6 +37,8 @@
 #include <string>
 #include <utility>
 
+#include "common/attention_mask.h"
+
 namespace dimattn::kernels {
 
 // Element type of q, k, v, out, dout, dq, dk, dv (all the same).
@@ -150,12 +152,13 @@ struct AttentionKernelParams {
   // soft-capping; + bias + ALiBi; masks (lengths, causal, window, mask);
   // softmax with the sink logit in its denominator; dropout.
   //
-  // Sliding window around row i's diagonal i + causal_offset[b] (0 without
+  // Positional masks beyond lengths and causal (attention_mask.h's RowBounds):
+  // a sliding window around row i's diagonal i + causal_offset[b] (0 without
   // offsets): row i attends only kv j with
-  //   i + offset - window_left <= j <= i + offset + window_right;
+  //   i + offset - bounds.window_left <= j <= i + offset + bounds.window_right;
   // a negative bound is no bound on that side (causal bounds the right side
   // by itself).
-  int64_t window_left = -1, window_right = -1;
+  RowBounds bounds;
   // Logit soft-capping: s becomes softcap * tanh(s / softcap). 0 = off.
   double softcap = 0.0;
   // ALiBi: s(i, j) -= slope(b, h) * |i + offset - j|, slope(b, h) =
@@ -195,7 +198,6 @@ struct AttentionKernelParams {
   bool dbias_shared = false;
 
   bool has_dropout() const { return dropout_p > 0.0; }
-  bool has_window() const { return window_left >= 0 || window_right >= 0; }
   bool has_softcap() const { return softcap > 0.0; }
   // Whether scores need more than scaling (soft-capping or ALiBi).
   bool modifies_scores() const {

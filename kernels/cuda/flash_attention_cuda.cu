@@ -69,8 +69,7 @@ DeviceParams device_params(const AttentionKernelParams& p) {
   d.kv_position = static_cast<uint32_t>(p.dropout_kv_position);
   d.rule = dropout_rule(p.dropout_p);  // the rule of every path
   d.keep_scale = static_cast<float>(d.rule.keep_scale);
-  d.window_left = p.window_left;
-  d.window_right = p.window_right;
+  d.bounds = p.bounds;
   d.cap_log2 = static_cast<float>(p.softcap * 1.4426950408889634);
   d.alibi_slopes = p.alibi_slopes;
   d.alibi_batch = p.alibi_batch_stride;

@@ -73,9 +73,9 @@ struct DeviceParams {
   uint32_t q_position, kv_position;  // attention_params.h's dropout_q/kv_position
   DropoutRule rule;  // common/attention_mask.h's keep rule
   float keep_scale;  // rule.keep_scale in float32
-  // Variants (attention_params.h): window bounds (< 0 = none), the soft cap
-  // in log2 units (0 = off), ALiBi slopes and sink logits per (b, h).
-  int64_t window_left, window_right;
+  // Variants (attention_params.h): positional bounds (the window), the soft
+  // cap in log2 units (0 = off), ALiBi slopes and sink logits per (b, h).
+  RowBounds bounds;
   float cap_log2;
   const double* alibi_slopes;
   int64_t alibi_batch, alibi_head;
@@ -98,8 +98,7 @@ __host__ __device__ constexpr int64_t min64(int64_t a, int64_t b) { return a < b
 
 // The mask of batch entry b (common/attention_mask.h).
 __device__ inline EntryMask entry_mask_of(const DeviceParams& p, int b) {
-  return entry_mask(p.q_lengths, p.kv_lengths, p.causal_offset, p.causal, p.seqlen_q, p.seqlen_k, b, p.window_left,
-                    p.window_right);
+  return entry_mask(p.q_lengths, p.kv_lengths, p.causal_offset, p.causal, p.seqlen_q, p.seqlen_k, b, p.bounds);
 }
 
 // Soft-capping, bias, ALiBi and mask of (b, h) (common/attention_mask.h), in log2 units.

@@ -237,7 +237,7 @@ TEST_P(AttentionVariants, FusedKernelsOfAtenNameTheVariantTheyLack) {
   const Decision d = explain_attention(c.q, c.k, c.v, c.opts);
   EXPECT_EQ(d.kernel, "cpu_flash") << d.explain();
   ForceKernels force("aten_flash_cpu");
-  EXPECT_NE(error_of([&] { dot_attention(c.q, c.k, c.v, c.opts); }).find("takes no a sliding window"),
+  EXPECT_NE(error_of([&] { dot_attention(c.q, c.k, c.v, c.opts); }).find("does not take a sliding window"),
             std::string::npos);
 }
 

@@ -44,7 +44,7 @@ namespace {
 
 const char* const kForced[] = {"auto", "reference", "aten_math", "aten_flash_cpu,reference", "cpu_flash",
                                "cpu_flash,aten_math", "reference,aten_math", "cuda_flash"};
-constexpr int kFields = 15;
+constexpr int kFields = 16;
 
 // Sets field `f` of p from the input.
 void set_field(AttentionParams& p, int f, FuzzedDataProvider& in) {
@@ -64,6 +64,9 @@ void set_field(AttentionParams& p, int f, FuzzedDataProvider& in) {
     case 12: p.requires_grad = in.ConsumeBool(); break;
     case 13: p.deterministic = in.ConsumeBool(); break;
     case 14: p.forced = kForced[in.ConsumeIntegralInRange<int>(0, 7)]; break;
+    case 15:
+      p.variants.bits = in.ConsumeIntegralInRange<uint32_t>(0, (1u << static_cast<unsigned>(VariantKind::count_)) - 1);
+      break;
   }
 }
 
@@ -81,6 +84,7 @@ const std::vector<KernelCandidate>& candidates(int which) {
        [](const AttentionParams& p) {
          if (p.dropout || (p.causal && p.gqa_ratio > 1)) return GateResult::fail("dropout or causal gqa");
          if (p.padding && p.offset == OffsetKind::nonzero) return GateResult::fail("mask");
+         if (p.variants.any()) return GateResult::fail("variants");
          return GateResult::pass();
        }},
       {"aten_math",
@@ -221,6 +225,7 @@ void params_part(FuzzedDataProvider& in) {
         case 12: c.requires_grad = b.requires_grad; break;
         case 13: c.deterministic = b.deterministic; break;
         case 14: c.forced = b.forced; break;
+        case 15: c.variants = b.variants; break;
       }
       differing += !(c == a);
     }

@@ -812,7 +812,7 @@ TEST(AttentionMask, RowRangesAreTheReferenceRules) {
       for (int64_t kv_len : {int64_t{0}, int64_t{1}, int64_t{6}, Tk})
         for (int64_t off : offsets) {
           const int64_t ql[1] = {q_len}, kl[1] = {kv_len}, of[1] = {off};
-          const EntryMask m = entry_mask(ql, kl, of, causal, Tq, Tk, 0, left);
+          const EntryMask m = entry_mask(ql, kl, of, causal, Tq, Tk, 0, RowBounds{left});
           for (int64_t i = 0; i < Tq + 2; ++i) {
             for (int64_t j = 0; j < Tk; ++j) {
               const __int128 diag = static_cast<__int128>(i) + off;

@@ -351,8 +351,7 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   p.rng_offset = 3;
   p.dropout_q_position = c.q_position;
   p.dropout_kv_position = c.kv_position;
-  p.window_left = c.window_left;
-  p.window_right = c.window_right;
+  p.bounds = {c.window_left, c.window_right};
   p.softcap = c.softcap;
   p.bias_row_stride = p.mask_row_stride = Tk;
   p.bias_col_stride = p.mask_col_stride = 1;

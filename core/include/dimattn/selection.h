@@ -43,15 +43,9 @@ struct AttentionParams {
   bool padding = false;      // dynamic kv lengths to mask
   int64_t gqa_ratio = 1;     // query rows per kv head from query groups (GQA, beam); 1 without groups
   bool keys_only = false;    // keys/values carry dims the query lacks (broadcast)
-  // Variants present (their sizes and values never matter to the choice).
-  bool window = false;
-  bool softcap = false;
-  bool alibi = false;
-  bool sinks = false;
-  bool sinks_grad = false;   // the sinks tensor requires grad (autograd backends)
-  bool bias = false;         // an additive bias tensor
-  bool bias_grad = false;    // the bias requires grad (autograd backends)
-  bool mask = false;         // a boolean mask tensor
+  // Variants present (AttentionCall::variants(); their sizes and values never
+  // matter to the choice; sinks_grad and bias_grad matter to autograd backends).
+  VariantSet variants;
   LayoutClass layout = LayoutClass::separate;
   bool requires_grad = false;
   bool deterministic = false;  // deterministic_algorithms() (forcing.h)
@@ -88,6 +82,7 @@ struct Rejection {
 struct Decision {
   std::string kernel;               // the chosen kernel
   std::vector<Rejection> rejected;  // every candidate tried before it, with the reason
+  AttentionParams params;           // what it was decided for
   std::string explain() const;      // multi-line, for logs, `dimattn explain` and errors
 };
 

@@ -56,8 +56,7 @@ struct DropoutSpec {
 
 // The mask of batch entry b of a call.
 inline EntryMask entry_mask_of(const AttentionKernelParams& p, int64_t b) {
-  return entry_mask(p.q_lengths, p.kv_lengths, p.causal_offset, p.causal, p.seqlen_q, p.seqlen_k, b, p.window_left,
-                    p.window_right);
+  return entry_mask(p.q_lengths, p.kv_lengths, p.causal_offset, p.causal, p.seqlen_q, p.seqlen_k, b, p.bounds);
 }
 
 // Soft-capping, bias, ALiBi and mask of (b, h), in log2 units (common/attention_mask.h).

@@ -14,13 +14,60 @@
 // Causal masks use the query_spatial position and broadcast over groups.
 // kv_spatial never appears in the query.
 #include <cstdint>
+#include <iterator>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "dimattn/dim.h"
 #include "dimattn/tensor.h"
 
 namespace dimattn {
+
+// The variants of a call as kernel selection sees them: which are on, never
+// their sizes or values (AttentionParams::variants, the plan cache's key,
+// each gate's rejection by name). A new variant is an entry here, its names
+// below, and its line in AttentionCall::variants().
+enum class VariantKind : uint8_t { window, softcap, alibi, sinks, sinks_grad, bias, bias_grad, mask, count_ };
+
+// Its short name (describe(), `dimattn explain`) and what it is in words (errors).
+inline const std::pair<const char*, const char*>& variant_names(VariantKind v) {
+  static const std::pair<const char*, const char*> kNames[] = {
+      {"window", "a sliding window"},          {"softcap", "soft-capping"},
+      {"alibi", "ALiBi"},                      {"sinks", "attention sinks"},
+      {"sinks_grad", "a gradient of sinks"},   {"bias", "an additive bias"},
+      {"bias_grad", "a gradient of a bias"},   {"mask", "a boolean mask"}};
+  static_assert(std::size(kNames) == static_cast<size_t>(VariantKind::count_), "one name per VariantKind");
+  return kNames[static_cast<size_t>(v)];
+}
+
+struct VariantSet {
+  uint32_t bits = 0;
+
+  bool has(VariantKind v) const { return (bits >> static_cast<unsigned>(v)) & 1u; }
+  VariantSet& set(VariantKind v, bool on = true) {
+    if (on) bits |= 1u << static_cast<unsigned>(v);
+    return *this;
+  }
+  bool any() const { return bits != 0; }
+  VariantSet without(VariantSet other) const { return {bits & ~other.bits}; }
+  // The variants present, in VariantKind order.
+  template <class F>
+  void for_each(F fn) const {
+    for (unsigned v = 0; v < static_cast<unsigned>(VariantKind::count_); ++v)
+      if (has(static_cast<VariantKind>(v))) fn(static_cast<VariantKind>(v));
+  }
+  // Their short names joined by "," (long_names: their words, by ", "), "none" for none.
+  std::string names(bool long_names = false) const {
+    std::string s;
+    for_each([&](VariantKind v) {
+      if (!s.empty()) s += long_names ? ", " : ",";  // appended piecewise: GCC 12 warns (-Wrestrict) on "," + string
+      s += long_names ? variant_names(v).second : variant_names(v).first;
+    });
+    return s.empty() ? "none" : s;
+  }
+  bool operator==(const VariantSet&) const = default;
+};
 
 struct AttentionCall {
   Tensor query, keys, values;
@@ -56,6 +103,15 @@ struct AttentionCall {
 
   bool has_window() const { return window_left >= 0 || window_right >= 0; }
   bool positional() const { return causal || has_window() || alibi_slopes.has_value(); }
+
+  VariantSet variants() const {
+    using V = VariantKind;
+    VariantSet s;
+    s.set(V::window, has_window()).set(V::softcap, softcap > 0).set(V::alibi, alibi_slopes.has_value());
+    s.set(V::sinks, sinks.has_value()).set(V::sinks_grad, sinks && sinks->requires_grad());
+    s.set(V::bias, bias.has_value()).set(V::bias_grad, bias && bias->requires_grad());
+    return s.set(V::mask, mask.has_value());
+  }
 };
 
 // The keep mask of the call's attention dropout, drawn from the shared Philox
