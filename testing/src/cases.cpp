@@ -30,7 +30,7 @@ double AttentionCase::logit_scale() const {
 }
 
 double AttentionCase::flops() const {
-  const double f = 4.0 * static_cast<double>(batch * heads * query_rows() * seq_k * head_dim);
+  const double f = 4.0 * static_cast<double>(batch * keys_only * heads * query_rows() * seq_k * head_dim);
   return causal ? f / 2 : f;
 }
 
@@ -52,6 +52,7 @@ std::string AttentionCase::describe() const {
   os << (backend.empty() ? "default" : backend) << " " << device_name(device) << " " << dtype_name(dtype) << " "
      << kind_name(kind) << " B=" << batch << " H=" << heads;
   if (groups > 1) os << " " << group_name << "=" << groups;
+  if (keys_only > 1) os << " extra=" << keys_only << "(keys only)";
   if (kind != Kind::step) os << " Tq=" << seq_q;
   os << " Tk=" << seq_k << " D=" << head_dim;
   if (head_dim_v != head_dim) os << " Dv=" << head_dim_v;
@@ -79,7 +80,8 @@ std::string AttentionCase::describe_variants() const {
 
 std::optional<std::string> invalid_reason(const AttentionCase& c) {
   const std::string B = std::to_string(c.batch);
-  if (c.batch < 1 || c.heads < 1 || c.groups < 1) return "batch, heads and groups must be at least 1";
+  if (c.batch < 1 || c.heads < 1 || c.groups < 1 || c.keys_only < 1)
+    return "batch, heads, groups and keys_only must be at least 1";
   if (c.seq_q < 1 || c.seq_k < 1) return "sequence lengths must be at least 1";
   if (c.head_dim < 1 || c.head_dim_v < 1) return "head dims must be at least 1";
   if (c.kind == Kind::self && c.seq_q != c.seq_k)
@@ -117,7 +119,7 @@ Tensor random_operand(const Dims& dims, uint64_t seed, DType dtype, const std::s
 
 Operands make_operands(const AttentionCase& c, bool requires_grad) {
   const TensorOptions ints{.dtype = DType::int64, .device = c.device, .backend = c.backend};
-  Dim batch("batch", c.batch), heads("heads", c.heads), group(c.group_name, c.groups);
+  Dim batch("batch", c.batch), heads("heads", c.heads), group(c.group_name, c.groups), extra("extra", c.keys_only);
   Dim feat("feat", c.head_dim), vfeat("vfeat", c.head_dim_v);
   const char* kv_name = c.kind == Kind::self ? "time" : "kv";
   Dim kv = c.lengths.empty() ? Dim(kv_name, c.seq_k)
@@ -131,8 +133,12 @@ Operands make_operands(const AttentionCase& c, bool requires_grad) {
   if (time) qd.push_back(*time);
   qd.push_back(feat);
   auto operand = [&](const Dims& dims, uint64_t seed) { return random_operand(dims, seed, c.dtype, c.backend, c.device); };
-  Operands ops{operand(qd, c.seed), operand({batch, heads, kv, feat}, c.seed + 1),
-               operand({batch, heads, kv, vfeat}, c.seed + 2),
+  const Dims kv_outer = c.keys_only > 1 ? Dims{batch, extra, heads, kv} : Dims{batch, heads, kv};
+  auto with = [](Dims d, const Dim& last) {
+    d.push_back(last);
+    return d;
+  };
+  Operands ops{operand(qd, c.seed), operand(with(kv_outer, feat), c.seed + 1), operand(with(kv_outer, vfeat), c.seed + 2),
                {.key_dim = feat,
                 .axis = kv,
                 .att_dropout = c.dropout,
@@ -163,8 +169,10 @@ Operands make_operands(const AttentionCase& c, bool requires_grad) {
                             Compare::ge, 0.25);
   if (c.offsets.size() == 1) ops.opts.causal_offset = scalar(static_cast<double>(c.offsets[0]), ints);
   if (c.offsets.size() > 1) ops.opts.causal_offset = from_host({batch}, as_doubles(c.offsets), ints);
-  for (const Dim& d : qd)
+  for (const Dim& d : qd) {
     if (d != feat) ops.out_order.push_back(d);
+    if (d == batch && c.keys_only > 1) ops.out_order.push_back(extra);
+  }
   ops.out_order.push_back(vfeat);
   if (requires_grad && ops.q.backend().has_autograd())
     for (Tensor* t : {&ops.q, &ops.k, &ops.v}) t->requires_grad(true);

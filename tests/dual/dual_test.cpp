@@ -139,6 +139,10 @@ void add_cpu_cases(std::vector<AttentionCase>& out) {
     out.push_back({.name = "beam_cross" + s, .dtype = dt, .groups = 3, .group_name = "beam", .seq_q = 4,
                    .lengths = {7, 5}});
     out.push_back({.name = "single_step" + s, .dtype = dt, .kind = Kind::step, .seq_q = 1, .lengths = {7, 2}});
+    // A dim only keys and values have: the query broadcasts over it (never tiled).
+    out.push_back({.name = "keys_only" + s, .dtype = dt, .keys_only = 3, .seq_q = 4, .lengths = {7, 5}});
+    out.push_back({.name = "keys_only_gqa_causal_dropout" + s, .dtype = dt, .groups = 2, .keys_only = 2, .seq_q = 4,
+                   .seq_k = 9, .causal = true, .offsets = {5, 2}, .dropout = 0.25});
     out.push_back({.name = "dropout" + s, .dtype = dt, .kind = Kind::self, .seq_q = 9, .seq_k = 9, .causal = true,
                    .lengths = {9, 5}, .dropout = 0.3});
     out.push_back({.name = "dropout_gqa" + s, .dtype = dt, .groups = 2, .seq_q = 6, .seq_k = 6, .dropout = 0.2});
@@ -228,6 +232,8 @@ void add_cuda_cases(std::vector<AttentionCase>& out) {
       out.push_back(with(c, "gqa_causal_lengths"));
       c = base, c.heads = 1, c.groups = 8;
       out.push_back(with(c, "mqa"));
+      c = base, c.keys_only = 2, c.groups = 2, c.lengths = {130, 41};
+      out.push_back(with(c, "keys_only_gqa"));
       c = base, c.kind = Kind::self, c.seq_q = 130, c.causal = true, c.lengths = {130, 90}, c.dropout = 0.3;
       out.push_back(with(c, "dropout"));
       c = base, c.groups = 2, c.dropout = 0.2;

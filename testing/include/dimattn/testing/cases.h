@@ -34,6 +34,9 @@ struct AttentionCase {
   // ("group"), or beam hypotheses ("beam"). 1: no such dim.
   int64_t groups = 1;
   std::string group_name = "group";
+  // Entries of a dim only keys and values have ("extra", after batch), which
+  // the query broadcasts over and the output keeps. 1: no such dim.
+  int64_t keys_only = 1;
   int64_t seq_q = 5, seq_k = 7;
   int64_t head_dim = 8, head_dim_v = 8;
   bool causal = false;
@@ -63,7 +66,7 @@ struct AttentionCase {
   double logit_scale() const;
   // Query rows attending each kv row: groups x query positions.
   int64_t query_rows() const { return groups * (kind == Kind::step ? 1 : seq_q); }
-  // Forward FLOPs, 4·B·H·rows·Tk·D, halved for causal (DESIGN.md §9).
+  // Forward FLOPs, 4·B·extra·H·rows·Tk·D, halved for causal (DESIGN.md §9).
   double flops() const;
   std::string describe() const;  // one line, for reports
   std::string describe_variants() const;  // its variants only (" window=[4,-] bias=htk"), "" for none
@@ -79,7 +82,7 @@ struct Operands {
 };
 
 // Unit-normal q, k, v of [batch, heads, (group), (time), feat] and
-// [batch, heads, kv, feat|vfeat] on the case's backend and device; with
+// [batch, (extra), heads, kv, feat|vfeat] on the case's backend and device; with
 // requires_grad on backends with autograd.
 Operands make_operands(const AttentionCase& c, bool requires_grad = false);
 
