@@ -22,8 +22,8 @@ const char* const kSummary =
     "usage: dimattn check [--cases N] [--seed S]\n"
     "\n"
     "Runs random attention calls (self, cross and single-step; query groups and beams;\n"
-    "kv lengths including 0; causal with and without offsets; dropout; float32, float64\n"
-    "and bfloat16) through every eligible kernel of every backend and device, and compares\n"
+    "keys-only dims; separate, permuted and packed q/k/v; kv lengths including 0; causal\n"
+    "with and without offsets; dropout; float32, float64 and bfloat16) through every eligible kernel of every backend and device, and compares\n"
     "each output with the reference path's (tolerances of DESIGN.md §6, scaled by the\n"
     "output's magnitude when it exceeds 1). Exit status 1 on any disagreement.";
 
@@ -68,6 +68,10 @@ AttentionCase random_problem(std::mt19937_64& rng) {
     p.broadcast_dropout = chance(0.5);
   }
   if (chance(0.15)) p.scale = std::uniform_real_distribution<double>(0.1, 1.0)(rng);
+  if (chance(0.15)) p.keys_only = pick(2, 3);
+  if (chance(0.2)) p.layout = Layout::permuted;
+  if (p.kind == Kind::self && p.groups == 1 && p.keys_only == 1 && p.head_dim == p.head_dim_v && chance(0.3))
+    p.layout = Layout::packed_qkv;
   p.seed = rng();
   return p;
 }

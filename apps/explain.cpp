@@ -29,6 +29,8 @@ const std::vector<Option> kOptions = with_variant_options({
     {"batch", "N", "batch size (default 8)"},
     {"heads", "N", "kv heads (default 8)"},
     {"groups", "N", "query heads per kv head (GQA), a dim only the query has (default 1)"},
+    {"keys-only", "N", "entries of a dim only keys and values have, the query broadcast over it (default 1: none)"},
+    {"layout", "L", "separate, permuted ([B, T, H, D] tensors) or packed_qkv (views of one [B, T, 3, H, D] buffer)"},
     {"seq-q", "N", "query length (default 128)"},
     {"seq-k", "N", "kv length (default: --seq-q)"},
     {"head-dim", "N", "q/k head dim (default 64)"},
@@ -61,6 +63,12 @@ AttentionCase problem_of(const Args& a) {
   p.batch = a.integer("batch", 8, 1);
   p.heads = a.integer("heads", 8, 1);
   p.groups = a.integer("groups", 1, 1);
+  p.keys_only = a.integer("keys-only", 1, 1);
+  const std::string layout = a.text("layout", "separate");
+  bool known = false;
+  for (Layout l : {Layout::separate, Layout::permuted, Layout::packed_qkv})
+    if (layout == testing::layout_name(l)) p.layout = l, known = true;
+  if (!known) a.fail("layout", "expected separate, permuted or packed_qkv, got '" + layout + "'");
   p.seq_q = a.integer("seq-q", 128, 1);
   p.seq_k = a.integer("seq-k", p.seq_q, 1);
   p.head_dim = a.integer("head-dim", 64, 1);

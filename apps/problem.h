@@ -13,6 +13,7 @@ namespace dimattn::cli {
 
 using testing::AttentionCase;
 using testing::Kind;
+using testing::Layout;
 using testing::kind_name;
 using testing::make_operands;
 using testing::max_abs;

@@ -20,6 +20,15 @@ const char* kind_name(Kind k) {
   return "?";
 }
 
+const char* layout_name(Layout l) {
+  switch (l) {
+    case Layout::separate: return "separate";
+    case Layout::permuted: return "permuted";
+    case Layout::packed_qkv: return "packed_qkv";
+  }
+  return "?";
+}
+
 double AttentionCase::softmax_scale() const {
   return scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim)));
 }
@@ -53,6 +62,7 @@ std::string AttentionCase::describe() const {
      << kind_name(kind) << " B=" << batch << " H=" << heads;
   if (groups > 1) os << " " << group_name << "=" << groups;
   if (keys_only > 1) os << " extra=" << keys_only << "(keys only)";
+  if (layout != Layout::separate) os << " layout=" << layout_name(layout);
   if (kind != Kind::step) os << " Tq=" << seq_q;
   os << " Tk=" << seq_k << " D=" << head_dim;
   if (head_dim_v != head_dim) os << " Dv=" << head_dim_v;
@@ -100,6 +110,9 @@ std::optional<std::string> invalid_reason(const AttentionCase& c) {
   if (c.causal && c.offsets.empty() && c.seq_q != c.seq_k)
     return "causal attention without offsets needs equal query and kv lengths";
   if (!(c.dropout >= 0 && c.dropout < 1)) return "dropout must be in [0, 1)";
+  if (c.layout == Layout::packed_qkv &&
+      (c.kind != Kind::self || c.groups > 1 || c.keys_only > 1 || c.head_dim != c.head_dim_v))
+    return "packed q, k and v need self-attention without groups or keys-only dims, and equal head dims";
   for (const std::string* s : {&c.bias, &c.mask})
     for (char x : *s) {
       if (std::string("bhgtk").find(x) == std::string::npos)
@@ -128,23 +141,39 @@ Operands make_operands(const AttentionCase& c, bool requires_grad) {
   if (c.kind == Kind::self) time = kv;
   if (c.kind == Kind::cross) time = Dim("time", c.seq_q);
 
+  const bool packed = c.layout == Layout::packed_qkv;
+  const Dim& value_feat = packed ? feat : vfeat;  // a packed buffer has one feature dim
   Dims qd = {batch, heads};
   if (c.groups > 1) qd.push_back(group);
   if (time) qd.push_back(*time);
   qd.push_back(feat);
-  auto operand = [&](const Dims& dims, uint64_t seed) { return random_operand(dims, seed, c.dtype, c.backend, c.device); };
-  const Dims kv_outer = c.keys_only > 1 ? Dims{batch, extra, heads, kv} : Dims{batch, heads, kv};
-  auto with = [](Dims d, const Dim& last) {
-    d.push_back(last);
+  Dims kd = c.keys_only > 1 ? Dims{batch, extra, heads, kv, feat} : Dims{batch, heads, kv, feat};
+  Dims vd = kd;
+  vd.back() = value_feat;
+  // Permuted: the spatial dim drawn right after batch, as a [B, T, H, D] tensor lies.
+  auto placed = [&](Dims d, const std::optional<Dim>& spatial) {
+    if (c.layout == Layout::permuted && spatial) {
+      d.erase(std::find(d.begin(), d.end(), *spatial));
+      d.insert(d.begin() + 1, *spatial);
+    }
     return d;
   };
-  Operands ops{operand(qd, c.seed), operand(with(kv_outer, feat), c.seed + 1), operand(with(kv_outer, vfeat), c.seed + 2),
+  auto operand = [&](const Dims& dims, uint64_t seed) { return random_operand(dims, seed, c.dtype, c.backend, c.device); };
+  std::optional<Tensor> buffer;
+  if (packed) buffer = operand({batch, kv, Dim("qkv", 3), heads, feat}, c.seed);
+  const PackedParts p = packed ? packed_parts(*buffer)
+                               : PackedParts{operand(placed(qd, time), c.seed), operand(placed(kd, kv), c.seed + 1),
+                                             operand(placed(vd, kv), c.seed + 2)};
+  Operands ops{p.q,
+               p.k,
+               p.v,
                {.key_dim = feat,
                 .axis = kv,
                 .att_dropout = c.dropout,
                 .att_dropout_broadcast = c.broadcast_dropout,
                 .scale = c.scale},
-               {}};
+               {},
+               buffer};
   if (c.causal && time) ops.opts.causal_query_spatial_dim = *time;
   if (!c.causal && time && (c.window_left || c.window_right || c.alibi)) ops.opts.query_position_dim = *time;
   if (c.window_left || c.window_right) ops.opts.window = AttentionWindow{c.window_left, c.window_right};
@@ -173,10 +202,23 @@ Operands make_operands(const AttentionCase& c, bool requires_grad) {
     if (d != feat) ops.out_order.push_back(d);
     if (d == batch && c.keys_only > 1) ops.out_order.push_back(extra);
   }
-  ops.out_order.push_back(vfeat);
-  if (requires_grad && ops.q.backend().has_autograd())
-    for (Tensor* t : {&ops.q, &ops.k, &ops.v}) t->requires_grad(true);
+  ops.out_order.push_back(value_feat);
+  if (requires_grad && ops.q.backend().has_autograd()) {
+    if (ops.buffer) {  // the leaf is the buffer; q, k and v stay its views
+      ops.buffer->requires_grad(true);
+      const PackedParts p = packed_parts(*ops.buffer);
+      ops.q = p.q, ops.k = p.k, ops.v = p.v;
+    } else {
+      for (Tensor* t : {&ops.q, &ops.k, &ops.v}) t->requires_grad(true);
+    }
+  }
   return ops;
+}
+
+PackedParts packed_parts(const Tensor& buffer) {
+  const Dim three = buffer.dims().at(2), one("one", 1);
+  auto part = [&](int64_t i) { return squeeze(slice(buffer, three, i, i + 1, one).first, one); };
+  return {part(0), part(1), part(2)};
 }
 
 Tensor upstream_gradient(const AttentionCase& c, const Operands& ops) {

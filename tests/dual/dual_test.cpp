@@ -29,6 +29,7 @@ namespace {
 using testing::AttentionCase;
 using testing::error_of;
 using testing::Kind;
+using testing::Layout;
 
 // The kernels each backend's table lists besides the reference, per device
 // (backends/eigen/eigen_backend.cpp, backends/torch/torch_attention.cpp). A
@@ -143,6 +144,19 @@ void add_cpu_cases(std::vector<AttentionCase>& out) {
     out.push_back({.name = "keys_only" + s, .dtype = dt, .keys_only = 3, .seq_q = 4, .lengths = {7, 5}});
     out.push_back({.name = "keys_only_gqa_causal_dropout" + s, .dtype = dt, .groups = 2, .keys_only = 2, .seq_q = 4,
                    .seq_k = 9, .causal = true, .offsets = {5, 2}, .dropout = 0.25});
+    // Layouts (docs/layouts.md): q, k and v as views of one packed
+    // [B, T, 3, H, D] buffer, and each drawn as [B, T, H, D] (the spatial dim
+    // before the heads); every kernel must take them as views (the check in
+    // the TEST_P below). ATen's kernels once got 3 counted copies of the
+    // packed views with batch > 1: their form merged batch and heads.
+    out.push_back({.name = "packed_qkv_causal" + s, .dtype = dt, .kind = Kind::self, .layout = Layout::packed_qkv,
+                   .seq_q = 9, .seq_k = 9, .causal = true});
+    out.push_back({.name = "packed_qkv_lengths_dropout" + s, .dtype = dt, .kind = Kind::self,
+                   .layout = Layout::packed_qkv, .seq_q = 9, .seq_k = 9, .lengths = {9, 5}, .dropout = 0.2});
+    out.push_back({.name = "permuted_gqa_causal_offset" + s, .dtype = dt, .groups = 2, .layout = Layout::permuted,
+                   .seq_q = 4, .seq_k = 9, .causal = true, .offsets = {5, 2}});
+    out.push_back({.name = "permuted_self_lengths" + s, .dtype = dt, .kind = Kind::self, .layout = Layout::permuted,
+                   .seq_q = 7, .seq_k = 7, .lengths = {7, 4}});
     out.push_back({.name = "dropout" + s, .dtype = dt, .kind = Kind::self, .seq_q = 9, .seq_k = 9, .causal = true,
                    .lengths = {9, 5}, .dropout = 0.3});
     out.push_back({.name = "dropout_gqa" + s, .dtype = dt, .groups = 2, .seq_q = 6, .seq_k = 6, .dropout = 0.2});
@@ -234,6 +248,10 @@ void add_cuda_cases(std::vector<AttentionCase>& out) {
       out.push_back(with(c, "mqa"));
       c = base, c.keys_only = 2, c.groups = 2, c.lengths = {130, 41};
       out.push_back(with(c, "keys_only_gqa"));
+      c = base, c.kind = Kind::self, c.seq_q = 130, c.causal = true, c.layout = Layout::packed_qkv;
+      out.push_back(with(c, "packed_qkv_causal"));
+      c = base, c.groups = 2, c.layout = Layout::permuted, c.lengths = {130, 66};
+      out.push_back(with(c, "permuted_gqa_lengths"));
       c = base, c.kind = Kind::self, c.seq_q = 130, c.causal = true, c.lengths = {130, 90}, c.dropout = 0.3;
       out.push_back(with(c, "dropout"));
       c = base, c.groups = 2, c.dropout = 0.2;
@@ -278,8 +296,18 @@ Operands make_operands(AttentionCase c, const std::string& backend, Device devic
   return {std::move(ops), std::move(w)};
 }
 
+// Packed operands as views of a buffer again (after a copy of the buffer).
+void repack(Operands& ops) {
+  const testing::PackedParts p = testing::packed_parts(*ops.buffer);
+  ops.q = p.q, ops.k = p.k, ops.v = p.v;
+}
+
 Operands on_backend(Operands ops, const std::string& backend) {
   for (Tensor* t : {&ops.q, &ops.k, &ops.v, &ops.w}) *t = to_backend(*t, backend);
+  if (ops.buffer) {
+    ops.buffer = to_backend(*ops.buffer, backend);
+    repack(ops);
+  }
   for (std::optional<Tensor>* t :
        {&ops.opts.causal_offset, &ops.opts.alibi_slopes, &ops.opts.sinks, &ops.opts.bias, &ops.opts.mask})
     if (*t) **t = to_backend(**t, backend);
@@ -309,11 +337,14 @@ Tensor fresh_leaf(const Tensor& x) {
 RunResult run(Operands ops, const std::string& force) {
   ForceKernels guard(force);
   const bool grad = ops.q.backend().has_autograd();
-  std::vector<Tensor*> leaves = {&ops.q, &ops.k, &ops.v};
+  // Packed operands: the buffer is the leaf, q, k and v stay its views.
+  std::vector<Tensor*> leaves = ops.buffer ? std::vector<Tensor*>{&*ops.buffer} : std::vector<Tensor*>{&ops.q, &ops.k, &ops.v};
   if (ops.opts.sinks) leaves.push_back(&*ops.opts.sinks);
   if (ops.opts.bias) leaves.push_back(&*ops.opts.bias);
-  if (grad)
+  if (grad) {
     for (Tensor* t : leaves) *t = fresh_leaf(*t).requires_grad(true);
+    if (ops.buffer) repack(ops);
+  }
   // Every run draws the same dropout seed, so kernels and the reference must
   // apply the identical mask (the shared Philox stream).
   TrainFlagScope train(ops.opts.att_dropout > 0);
@@ -323,6 +354,11 @@ RunResult run(Operands ops, const std::string& force) {
   if (grad) {
     reduce_sum(mul(out, ops.w), ops.out_order).backward();
     for (Tensor* t : leaves) r.grads.push_back(*t->grad());
+    if (ops.buffer) {  // d(buffer) as dq, dk, dv
+      const testing::PackedParts d = testing::packed_parts(r.grads[0]);
+      r.grads.erase(r.grads.begin());
+      r.grads.insert(r.grads.begin(), {d.q, d.k, d.v});
+    }
   }
   return r;
 }
@@ -412,6 +448,7 @@ TEST_P(Dual, EveryKernelAgreesWithTheReference) {
         const std::string run_name = backend + "/" + kernel + at;
         const std::string where = c.name + " " + run_name;
         std::optional<RunResult> got;
+        const uint64_t copies_before = selection_stats().layout_copies;
         const std::string err = error_of([&] { got = run(ops, kernel); });
         if (!err.empty()) {
           EXPECT_NE(err.find("[dot_attention]"), std::string::npos) << err;
@@ -428,6 +465,21 @@ TEST_P(Dual, EveryKernelAgreesWithTheReference) {
         }
         EXPECT_TRUE(accepts.count(kernel) || optional_kernel(kernel, device))
             << where << " took a case its gate should reject (see expected_kernels)";
+        // A layout case reaches the kernel as it lies (detected from strides)
+        // and as views: always for dimattn's kernels; for ATen's without query
+        // groups (with them kv is expanded per group, and [B, H, G, T, D] with a
+        // zero G stride merges into no [B, H, T, D] head axis: one counted copy).
+        if (c.layout != Layout::separate) {
+          const bool views = kernel == "cpu_flash" || kernel == "cuda_flash" || c.groups == 1;
+          const LayoutClass want = c.layout == Layout::packed_qkv ? LayoutClass::packed_qkv : LayoutClass::permuted;
+          {
+            ForceKernels force(kernel);
+            EXPECT_EQ(std::string(layout_name(explain_attention(ops.q, ops.k, ops.v, ops.opts).params.layout)),
+                      layout_name(want))
+                << where;
+          }
+          if (views) EXPECT_EQ(selection_stats().layout_copies, copies_before) << where << " copied q, k or v";
+        }
         if (accepts.count(kernel)) runs.insert(run_name);
         const double e = testing::max_abs_diff(got->out, ref.out, ops.out_order);
         std::cout << "[ dual ] " << where << ": max abs err " << e;
@@ -534,36 +586,6 @@ TEST(DualLayouts, FusedGqaBufferSplitIntoQkv) {
       EXPECT_LE(e, 1e-5);
     }
   }
-}
-
-// q, k and v as views of one packed [B, T, 3, H, D] buffer with batch > 1 and
-// no mask: every fused CPU kernel takes them as views (strides B, H, T, D
-// merge into nothing), never as copies. (ATen's kernels once got 3 counted
-// copies here: their form merged batch and heads into one axis.)
-TEST(DualLayouts, PackedQkvViewsReachEveryFusedKernelWithoutCopies) {
-  int ran = 0;
-  for (const std::string& backend : backend_names()) {
-    Dim batch("batch", 2), time("time", 8), three("qkv", 3), heads("heads", 2), feat("feat", 4), one("one", 1);
-    Tensor buffer = random_normal({batch, time, three, heads, feat}, 11, {.backend = backend});
-    auto part = [&](int i) { return squeeze(slice(buffer, three, i, i + 1, one).first, one); };
-    const Tensor q = part(0), k = part(1), v = part(2);
-    const AttentionOptions o{.key_dim = feat, .axis = time};
-    const Tensor ref = [&] {
-      ForceKernels force("reference");
-      return dot_attention(q, k, v, o);
-    }();
-    for (const std::string& kernel : get_backend(backend).attention_kernels(kCPU)) {
-      if (kernel == kReferenceKernel) continue;
-      ForceKernels force(kernel);
-      ASSERT_EQ(explain_attention(q, k, v, o).kernel, kernel) << backend;
-      const uint64_t copies_before = selection_stats().layout_copies;
-      const Tensor out = dot_attention(q, k, v, o);
-      EXPECT_EQ(selection_stats().layout_copies, copies_before) << backend << "/" << kernel << " copied q, k or v";
-      EXPECT_LE(testing::max_abs_diff(out, ref, {batch, heads, time, feat}), 1e-5) << backend << "/" << kernel;
-      ++ran;
-    }
-  }
-  EXPECT_GE(ran, has_backend("torch") ? 4 : 1) << "every fused CPU kernel of every backend";
 }
 
 TEST(DualSelection, OneSelectionPerDistinctKeyOver1000Calls) {

@@ -23,6 +23,14 @@ enum class Kind {
 };
 const char* kind_name(Kind);
 
+// How q, k and v sit in memory (the layout classes of dimattn/selection.h).
+enum class Layout {
+  separate,    // each its own tensor, spatial dim after the heads: [batch, heads, (group), time, feat]
+  permuted,    // each its own tensor, spatial dim right after batch: [batch, time, heads, (group), feat]
+  packed_qkv,  // views of one [batch, time, 3, heads, feat] buffer (self-attention, no groups)
+};
+const char* layout_name(Layout);
+
 struct AttentionCase {
   std::string name;     // for test names and reports; may be empty
   std::string backend;  // "": the default backend
@@ -37,6 +45,7 @@ struct AttentionCase {
   // Entries of a dim only keys and values have ("extra", after batch), which
   // the query broadcasts over and the output keeps. 1: no such dim.
   int64_t keys_only = 1;
+  Layout layout = Layout::separate;
   int64_t seq_q = 5, seq_k = 7;
   int64_t head_dim = 8, head_dim_v = 8;
   bool causal = false;
@@ -79,7 +88,16 @@ struct Operands {
   Tensor q, k, v;
   AttentionOptions opts;
   Dims out_order;  // the output's dims in a fixed order, for comparisons
+  // Layout::packed_qkv: the [batch, time, qkv, heads, feat] buffer q, k and v
+  // are views of (packed_parts), so that a copy or a new leaf keeps them packed.
+  std::optional<Tensor> buffer;
 };
+
+// q, k and v as views of a packed [batch, time, qkv (3), heads, feat] buffer.
+struct PackedParts {
+  Tensor q, k, v;
+};
+PackedParts packed_parts(const Tensor& buffer);
 
 // Unit-normal q, k, v of [batch, heads, (group), (time), feat] and
 // [batch, (extra), heads, kv, feat|vfeat] on the case's backend and device; with
