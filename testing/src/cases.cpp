@@ -147,7 +147,8 @@ Operands make_operands(const AttentionCase& c, bool requires_grad) {
   if (c.groups > 1) qd.push_back(group);
   if (time) qd.push_back(*time);
   qd.push_back(feat);
-  Dims kd = c.keys_only > 1 ? Dims{batch, extra, heads, kv, feat} : Dims{batch, heads, kv, feat};
+  // The keys-only dim after the batch dims (heads among them): the kernels' order.
+  Dims kd = c.keys_only > 1 ? Dims{batch, heads, extra, kv, feat} : Dims{batch, heads, kv, feat};
   Dims vd = kd;
   vd.back() = value_feat;
   // Permuted: the spatial dim drawn right after batch, as a [B, T, H, D] tensor lies.
@@ -200,7 +201,7 @@ Operands make_operands(const AttentionCase& c, bool requires_grad) {
   if (c.offsets.size() > 1) ops.opts.causal_offset = from_host({batch}, as_doubles(c.offsets), ints);
   for (const Dim& d : qd) {
     if (d != feat) ops.out_order.push_back(d);
-    if (d == batch && c.keys_only > 1) ops.out_order.push_back(extra);
+    if (d == heads && c.keys_only > 1) ops.out_order.push_back(extra);
   }
   ops.out_order.push_back(value_feat);
   if (requires_grad && ops.q.backend().has_autograd()) {

@@ -42,7 +42,7 @@ struct AttentionCase {
   // ("group"), or beam hypotheses ("beam"). 1: no such dim.
   int64_t groups = 1;
   std::string group_name = "group";
-  // Entries of a dim only keys and values have ("extra", after batch), which
+  // Entries of a dim only keys and values have ("extra", after heads), which
   // the query broadcasts over and the output keeps. 1: no such dim.
   int64_t keys_only = 1;
   Layout layout = Layout::separate;
@@ -100,7 +100,7 @@ struct PackedParts {
 PackedParts packed_parts(const Tensor& buffer);
 
 // Unit-normal q, k, v of [batch, heads, (group), (time), feat] and
-// [batch, (extra), heads, kv, feat|vfeat] on the case's backend and device; with
+// [batch, heads, (extra), kv, feat|vfeat] on the case's backend and device; with
 // requires_grad on backends with autograd.
 Operands make_operands(const AttentionCase& c, bool requires_grad = false);
 
