@@ -55,7 +55,7 @@ struct Settings {
   std::vector<int64_t> seqs;
   int warmup = 2, repeats = 20;
   double budget_s = 2;  // per timed row, once 3 runs are done
-  AttentionCase variants;  // the variant options, applied to every config that can take them
+  testing::CaseVariants variants;  // the variant options, applied to every config that can take them
 };
 
 struct Config {
@@ -138,9 +138,7 @@ std::vector<Config> suite(const Settings& s) {
                       .batch = 8, .heads = 8, .groups = cross ? 4 : 1, .group_name = "beam",
                       .seq_q = cross ? std::max<int64_t>(1, T / 4) : T, .seq_k = T, .head_dim = 64,
                       .head_dim_v = 64, .causal = std::string(kind) == "causal"};
-            const AttentionCase& v = s.variants;
-            p.window_left = v.window_left, p.window_right = v.window_right, p.softcap = v.softcap;
-            p.alibi = v.alibi, p.sinks = v.sinks, p.bias = v.bias, p.mask = v.mask;
+            p.variants = s.variants;
             if (testing::invalid_reason(p)) continue;  // e.g. a bias over the query time in self-attention
             out.push_back({kind, p});
           }
@@ -337,7 +335,7 @@ int run_bench(int argc, char** argv, int first) {
     if (const auto path = args.value(option))
       if (!std::ofstream(*path)) throw Error("cannot write " + *path);
   const std::vector<Config> configs = suite(s);
-  if (const std::string v = s.variants.describe_variants(); !v.empty())
+  if (const std::string v = s.variants.describe(); !v.empty())
     std::printf("variants on every config:%s\n", v.c_str());
   int steps = 0;
   for (const Config& c : configs) steps += static_cast<int>(kernels_of(c.problem, s).size()) + 2;

@@ -85,7 +85,7 @@ AttentionCase problem_of(const Args& a) {
     if (!p.lengths.empty()) a.fail("padded", "give either --padded or --lengths");
     p.lengths.assign(static_cast<size_t>(p.batch), p.seq_k);
   }
-  apply_variants(a, p);
+  apply_variants(a, p.variants);
   check_kernel_names("force", a.texts("force", {}));
   validate(p);
   return p;

@@ -27,7 +27,7 @@ std::vector<Option> with_variant_options(std::vector<Option> options) {
   return options;
 }
 
-void apply_variants(const Args& a, AttentionCase& p) {
+void apply_variants(const Args& a, testing::CaseVariants& p) {
   if (a.value("window-left")) p.window_left = a.integer("window-left", 0, 0);
   if (a.value("window-right")) p.window_right = a.integer("window-right", 0, 0);
   if (a.value("softcap")) p.softcap = a.number("softcap", 0);

@@ -30,7 +30,7 @@ void validate(const AttentionCase& p);
 // --sinks, --bias, --mask, ...), shared by the subcommands that describe a
 // call, and their values applied to a case.
 std::vector<Option> with_variant_options(std::vector<Option> options);
-void apply_variants(const Args& a, AttentionCase& p);
+void apply_variants(const Args& a, testing::CaseVariants& p);
 
 // Throws UsageError naming `option` when a name is neither a kernel nor "auto".
 void check_kernel_names(const std::string& option, const std::vector<std::string>& names);

@@ -71,11 +71,11 @@ std::string AttentionCase::describe() const {
   if (!lengths.empty()) os << " lengths=" << join(lengths);
   if (dropout > 0) os << " dropout=" << dropout << (broadcast_dropout ? "(broadcast)" : "");
   if (scale) os << " scale=" << *scale;
-  os << describe_variants() << " seed=" << seed;
+  os << variants.describe() << " seed=" << seed;
   return os.str();
 }
 
-std::string AttentionCase::describe_variants() const {
+std::string CaseVariants::describe() const {
   std::ostringstream os;
   if (window_left || window_right)
     os << " window=[" << (window_left ? std::to_string(*window_left) : "-") << ","
@@ -101,10 +101,11 @@ std::optional<std::string> invalid_reason(const AttentionCase& c) {
     return "give one kv length per batch entry (" + B + ")";
   for (int64_t l : c.lengths)
     if (l < 0 || l > c.seq_k) return "kv lengths must be in [0, " + std::to_string(c.seq_k) + "]";
-  const bool positional = c.window_left || c.window_right || c.alibi;
+  const CaseVariants& v = c.variants;
+  const bool positional = v.positional();
   if (!c.offsets.empty() && !c.causal && !positional) return "causal offsets need causal attention, a window or ALiBi";
   if (positional && c.kind == Kind::step) return "windows and ALiBi need the query's positional dim; a step has none";
-  if (c.causal && c.window_right && *c.window_right > 0) return "causal attention sees no position right of the diagonal";
+  if (c.causal && v.window_right && *v.window_right > 0) return "causal attention sees no position right of the diagonal";
   if (c.offsets.size() > 1 && static_cast<int64_t>(c.offsets.size()) != c.batch)
     return "give one causal offset, or one per batch entry (" + B + ")";
   if (c.causal && c.offsets.empty() && c.seq_q != c.seq_k)
@@ -113,7 +114,7 @@ std::optional<std::string> invalid_reason(const AttentionCase& c) {
   if (c.layout == Layout::packed_qkv &&
       (c.kind != Kind::self || c.groups > 1 || c.keys_only > 1 || c.head_dim != c.head_dim_v))
     return "packed q, k and v need self-attention without groups or keys-only dims, and equal head dims";
-  for (const std::string* s : {&c.bias, &c.mask})
+  for (const std::string* s : {&v.bias, &v.mask})
     for (char x : *s) {
       if (std::string("bhgtk").find(x) == std::string::npos)
         return std::string("bias and mask dims are letters of bhgtk, got '") + x + "'";
@@ -176,26 +177,27 @@ Operands make_operands(const AttentionCase& c, bool requires_grad) {
                {},
                buffer};
   if (c.causal && time) ops.opts.causal_query_spatial_dim = *time;
-  if (!c.causal && time && (c.window_left || c.window_right || c.alibi)) ops.opts.query_position_dim = *time;
-  if (c.window_left || c.window_right) ops.opts.window = AttentionWindow{c.window_left, c.window_right};
-  ops.opts.softcap = c.softcap;
+  const CaseVariants& v = c.variants;
+  if (!c.causal && time && v.positional()) ops.opts.query_position_dim = *time;
+  if (v.window_left || v.window_right) ops.opts.window = AttentionWindow{v.window_left, v.window_right};
+  ops.opts.softcap = v.softcap;
   const TensorOptions floats{.dtype = c.dtype, .device = c.device, .backend = c.backend};
   auto per_head = [&](auto value) {
     std::vector<double> v;
     for (int64_t h = 0; h < c.heads; ++h) v.push_back(value(h));
     return from_host({heads}, v, floats);
   };
-  if (c.alibi) ops.opts.alibi_slopes = per_head([](int64_t h) { return std::exp2(-static_cast<double>(h + 1)); });
-  if (c.sinks) ops.opts.sinks = per_head([](int64_t h) { return static_cast<double>(h % 3) - 1.0; });
+  if (v.alibi) ops.opts.alibi_slopes = per_head([](int64_t h) { return std::exp2(-static_cast<double>(h + 1)); });
+  if (v.sinks) ops.opts.sinks = per_head([](int64_t h) { return static_cast<double>(h % 3) - 1.0; });
   // Bias and mask over the dims their letters name, in the order given.
   auto score_dims = [&](const std::string& letters) {
     Dims dims;
     for (char x : letters) dims.push_back(x == 'b' ? batch : x == 'h' ? heads : x == 'g' ? group : x == 't' ? *time : kv);
     return dims;
   };
-  if (!c.bias.empty()) ops.opts.bias = operand(score_dims(c.bias), c.seed + 3);
-  if (!c.mask.empty())
-    ops.opts.mask = compare(random_uniform(score_dims(c.mask), c.seed + 4, {.device = c.device, .backend = c.backend}),
+  if (!v.bias.empty()) ops.opts.bias = operand(score_dims(v.bias), c.seed + 3);
+  if (!v.mask.empty())
+    ops.opts.mask = compare(random_uniform(score_dims(v.mask), c.seed + 4, {.device = c.device, .backend = c.backend}),
                             Compare::ge, 0.25);
   if (c.offsets.size() == 1) ops.opts.causal_offset = scalar(static_cast<double>(c.offsets[0]), ints);
   if (c.offsets.size() > 1) ops.opts.causal_offset = from_host({batch}, as_doubles(c.offsets), ints);

@@ -62,9 +62,7 @@ std::set<std::string> expected_kernels(const AttentionCase& c, const std::string
   }
   k.insert("cpu_flash");
   // ATen's kernels take no variant (docs/selection.md).
-  const bool variant =
-      c.window_left || c.window_right || c.softcap || c.alibi || c.sinks || !c.bias.empty() || !c.mask.empty();
-  if (backend == "torch" && c.dropout == 0 && !variant) {
+  if (backend == "torch" && c.dropout == 0 && !c.variants.any()) {
     k.insert("aten_math");
     if (!(c.causal && c.groups > 1) && c.head_dim == c.head_dim_v) k.insert("aten_flash_cpu");
   }
@@ -181,34 +179,35 @@ void add_cpu_cases(std::vector<AttentionCase>& out) {
     // Variants (docs/api.md): windows, soft-capping, ALiBi, sinks, and all
     // of them with GQA, offsets, padding and dropout.
     out.push_back({.name = "window_causal" + s, .dtype = dt, .kind = Kind::self, .seq_q = 9, .seq_k = 9,
-                   .causal = true, .window_left = 3});
+                   .causal = true, .variants = {.window_left = 3}});
     out.push_back({.name = "window_two_sided_offsets" + s, .dtype = dt, .seq_q = 5, .seq_k = 9, .offsets = {2, 4},
-                   .window_left = 2, .window_right = 1});
-    out.push_back({.name = "softcap" + s, .dtype = dt, .scale = 1.0, .softcap = 1.5});
+                   .variants = {.window_left = 2, .window_right = 1}});
+    out.push_back({.name = "softcap" + s, .dtype = dt, .scale = 1.0, .variants = {.softcap = 1.5}});
     out.push_back({.name = "alibi_causal" + s, .dtype = dt, .kind = Kind::self, .seq_q = 9, .seq_k = 9,
-                   .causal = true, .alibi = true});
-    out.push_back({.name = "sinks_empty_entry" + s, .dtype = dt, .lengths = {7, 0}, .sinks = true});
+                   .causal = true, .variants = {.alibi = true}});
+    out.push_back({.name = "sinks_empty_entry" + s, .dtype = dt, .lengths = {7, 0}, .variants = {.sinks = true}});
     out.push_back({.name = "variants_gqa_dropout" + s, .dtype = dt, .groups = 2, .seq_q = 4, .seq_k = 9,
-                   .causal = true, .lengths = {9, 6}, .offsets = {5, 2}, .dropout = 0.25, .window_left = 4,
-                   .softcap = 2.0, .alibi = true, .sinks = true});
+                   .causal = true, .lengths = {9, 6}, .offsets = {5, 2}, .dropout = 0.25,
+                   .variants = {.window_left = 4, .softcap = 2.0, .alibi = true, .sinks = true}});
     // Bias and masks over named dims: T5-style {heads, Tq, Tk}; one {Tq, Tk}
     // plane shared by every head and query group (d(bias) summed over them);
     // per-kv-position bias and mask (key padding) in causal self-attention;
     // a mask over every dim that leaves some rows without a position; beam
     // queries with their own mask; one decoding step; and all variants at once.
-    out.push_back({.name = "bias_heads_tq_tk" + s, .dtype = dt, .lengths = {7, 4}, .bias = "htk"});
+    out.push_back({.name = "bias_heads_tq_tk" + s, .dtype = dt, .lengths = {7, 4}, .variants = {.bias = "htk"}});
     out.push_back({.name = "bias_shared_plane_gqa" + s, .dtype = dt, .groups = 2, .seq_q = 4, .seq_k = 9,
-                   .causal = true, .offsets = {5, 2}, .bias = "tk"});
+                   .causal = true, .offsets = {5, 2}, .variants = {.bias = "tk"}});
     out.push_back({.name = "bias_mask_kv_causal_self" + s, .dtype = dt, .kind = Kind::self, .seq_q = 9, .seq_k = 9,
-                   .causal = true, .lengths = {9, 5}, .bias = "bk", .mask = "k"});
-    out.push_back({.name = "mask_every_dim" + s, .dtype = dt, .seq_q = 6, .seq_k = 3, .mask = "bhtk"});
+                   .causal = true, .lengths = {9, 5}, .variants = {.bias = "bk", .mask = "k"}});
+    out.push_back({.name = "mask_every_dim" + s, .dtype = dt, .seq_q = 6, .seq_k = 3, .variants = {.mask = "bhtk"}});
     out.push_back({.name = "mask_beam" + s, .dtype = dt, .groups = 3, .group_name = "beam", .seq_q = 4,
-                   .lengths = {7, 5}, .bias = "gk", .mask = "gtk"});
-    out.push_back({.name = "bias_mask_step" + s, .dtype = dt, .kind = Kind::step, .lengths = {7, 2}, .bias = "bhk",
-                   .mask = "hk"});
+                   .lengths = {7, 5}, .variants = {.bias = "gk", .mask = "gtk"}});
+    out.push_back({.name = "bias_mask_step" + s, .dtype = dt, .kind = Kind::step, .lengths = {7, 2},
+                   .variants = {.bias = "bhk", .mask = "hk"}});
     out.push_back({.name = "all_variants" + s, .dtype = dt, .groups = 2, .seq_q = 4, .seq_k = 9, .causal = true,
-                   .lengths = {9, 6}, .offsets = {5, 2}, .dropout = 0.25, .window_left = 4, .softcap = 2.0,
-                   .alibi = true, .sinks = true, .bias = "htk", .mask = "tk"});
+                   .lengths = {9, 6}, .offsets = {5, 2}, .dropout = 0.25,
+                   .variants = {.window_left = 4, .softcap = 2.0, .alibi = true, .sinks = true, .bias = "htk",
+                                .mask = "tk"}});
   }
   out.push_back({.name = "t1", .seq_q = 1, .seq_k = 1});
   out.push_back({.name = "odd_head_dims", .head_dim = 5, .head_dim_v = 3});
@@ -259,10 +258,10 @@ void add_cuda_cases(std::vector<AttentionCase>& out) {
       c = base, c.lengths = {120, 9}, c.dropout = 0.5, c.broadcast_dropout = true;
       out.push_back(with(c, "broadcast_dropout"));
       c = base, c.kind = Kind::self, c.groups = 2, c.seq_q = 130, c.causal = true, c.lengths = {130, 97},
-      c.dropout = 0.2, c.window_left = 50, c.softcap = 3.0, c.alibi = true, c.sinks = true;
+      c.dropout = 0.2, c.variants = {.window_left = 50, .softcap = 3.0, .alibi = true, .sinks = true};
       out.push_back(with(c, "variants_gqa_dropout"));
       c = base, c.groups = 2, c.causal = true, c.offsets = {30, 5}, c.lengths = {130, 70}, c.dropout = 0.1,
-      c.bias = "htk", c.mask = "btk";
+      c.variants = {.bias = "htk", .mask = "btk"};
       out.push_back(with(c, "bias_mask_gqa_dropout"));
     }
 }

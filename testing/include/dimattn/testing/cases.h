@@ -31,6 +31,24 @@ enum class Layout {
 };
 const char* layout_name(Layout);
 
+// The attention variants of a case (AttentionOptions); the positional dim is
+// the query's time dim. ALiBi slopes 2^-(h+1) and sink logits (h % 3) - 1 per
+// kv head.
+struct CaseVariants {
+  std::optional<int64_t> window_left, window_right;
+  std::optional<double> softcap;
+  bool alibi = false, sinks = false;
+  // An additive bias and a bool mask over the dims their letters name: b
+  // batch, h heads, g the group dim, t the query's time dim, k the kv dim
+  // (in self-attention the shared time dim, as the kv position); "": none.
+  // Bias unit-normal (seed + 3), mask true with probability 3/4 (seed + 4).
+  std::string bias, mask;
+
+  bool any() const { return positional() || softcap || sinks || !bias.empty() || !mask.empty(); }
+  bool positional() const { return window_left || window_right || alibi; }  // need the query's positional dim
+  std::string describe() const;  // " window=[4,-] bias=htk", "" for none
+};
+
 struct AttentionCase {
   std::string name;     // for test names and reports; may be empty
   std::string backend;  // "": the default backend
@@ -57,16 +75,7 @@ struct AttentionCase {
   bool broadcast_dropout = false;
   std::optional<double> scale;  // default 1/sqrt(head_dim)
   uint64_t seed = 1;            // q, k, v from seed, seed + 1, seed + 2
-  // Variants (AttentionOptions); the positional dim is the query's time dim.
-  // ALiBi slopes 2^-(h+1) and sink logits (h % 3) - 1 per kv head.
-  std::optional<int64_t> window_left, window_right;
-  std::optional<double> softcap;
-  bool alibi = false, sinks = false;
-  // An additive bias and a bool mask over the dims their letters name: b
-  // batch, h heads, g the group dim, t the query's time dim, k the kv dim
-  // (in self-attention the shared time dim, as the kv position); "": none.
-  // Bias unit-normal (seed + 3), mask true with probability 3/4 (seed + 4).
-  std::string bias, mask;
+  CaseVariants variants;
 
   // The scale dot_attention applies.
   double softmax_scale() const;
@@ -78,7 +87,6 @@ struct AttentionCase {
   // Forward FLOPs, 4·B·extra·H·rows·Tk·D, halved for causal (DESIGN.md §9).
   double flops() const;
   std::string describe() const;  // one line, for reports
-  std::string describe_variants() const;  // its variants only (" window=[4,-] bias=htk"), "" for none
 };
 
 // Why the sizes and flags do not make one call, or nullopt when they do.
