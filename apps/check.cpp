@@ -23,9 +23,10 @@ const char* const kSummary =
     "\n"
     "Runs random attention calls (self, cross and single-step; query groups and beams;\n"
     "keys-only dims; separate, permuted and packed q/k/v; kv lengths including 0; causal\n"
-    "with and without offsets; dropout; float32, float64 and bfloat16) through every eligible kernel of every backend and device, and compares\n"
-    "each output with the reference path's (tolerances of DESIGN.md §6, scaled by the\n"
-    "output's magnitude when it exceeds 1). Exit status 1 on any disagreement.";
+    "with and without offsets; dropout; float32, float64 and bfloat16) through every\n"
+    "eligible kernel of every backend and device, and compares each output with the\n"
+    "reference path's (tolerances of DESIGN.md §6, scaled by the output's magnitude when\n"
+    "it exceeds 1). Exit status 1 on any disagreement.";
 
 const std::vector<Option> kOptions = {
     {"cases", "N", "random calls (default 200)"},

@@ -61,7 +61,6 @@ struct Range {
 struct RowBounds {
   int64_t window_left = -1, window_right = -1;  // < 0 = unbounded on that side
 
-  DIMATTN_HD bool any() const { return window_left >= 0 || window_right >= 0; }
   // Bounds clamped to 2^61, so that i + offset + bound + 1 cannot overflow
   // (see entry_mask).
   DIMATTN_HD RowBounds clamped() const {
