@@ -138,7 +138,8 @@ void add_cpu_cases(std::vector<AttentionCase>& out) {
     out.push_back({.name = "beam_cross" + s, .dtype = dt, .groups = 3, .group_name = "beam", .seq_q = 4,
                    .lengths = {7, 5}});
     out.push_back({.name = "single_step" + s, .dtype = dt, .kind = Kind::step, .seq_q = 1, .lengths = {7, 2}});
-    // A dim only keys and values have: the query broadcasts over it (never tiled).
+    // A dim only keys and values have: the query broadcasts over it (keys and
+    // values reach the kernels as views; the broadcast query is one counted copy).
     out.push_back({.name = "keys_only" + s, .dtype = dt, .keys_only = 3, .seq_q = 4, .lengths = {7, 5}});
     out.push_back({.name = "keys_only_gqa_causal_dropout" + s, .dtype = dt, .groups = 2, .keys_only = 2, .seq_q = 4,
                    .seq_k = 9, .causal = true, .offsets = {5, 2}, .dropout = 0.25});
