@@ -303,10 +303,12 @@ void repack(Operands& ops) {
 }
 
 Operands on_backend(Operands ops, const std::string& backend) {
-  for (Tensor* t : {&ops.q, &ops.k, &ops.v, &ops.w}) *t = to_backend(*t, backend);
-  if (ops.buffer) {
+  ops.w = to_backend(ops.w, backend);
+  if (ops.buffer) {  // move the buffer once; q, k and v are its views again
     ops.buffer = to_backend(*ops.buffer, backend);
     repack(ops);
+  } else {
+    for (Tensor* t : {&ops.q, &ops.k, &ops.v}) *t = to_backend(*t, backend);
   }
   for (std::optional<Tensor>* t :
        {&ops.opts.causal_offset, &ops.opts.alibi_slopes, &ops.opts.sinks, &ops.opts.bias, &ops.opts.mask})
@@ -470,7 +472,7 @@ TEST_P(Dual, EveryKernelAgreesWithTheReference) {
         // groups (with them kv is expanded per group, and [B, H, G, T, D] with a
         // zero G stride merges into no [B, H, T, D] head axis: one counted copy).
         if (c.layout != Layout::separate) {
-          const bool views = kernel == "cpu_flash" || kernel == "cuda_flash" || c.groups == 1;
+          const bool views = c.groups == 1 || kernel.rfind("aten_", 0) != 0;  // ATen's kernels are aten_*
           const LayoutClass want = c.layout == Layout::packed_qkv ? LayoutClass::packed_qkv : LayoutClass::permuted;
           {
             ForceKernels force(kernel);
