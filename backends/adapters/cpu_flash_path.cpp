@@ -72,7 +72,7 @@ FlashGrads flash_backward(Backend& be, const AttentionCall& c, const FlashLayout
   const HostView dq = host(be, g.q), dk = host(be, g.k), dv = host(be, g.v);
   FlashParams pr;
   flash_params(pr, c, l, q, k, v);
-  const bool want_dbias = c.bias && (!be.has_autograd() || c.bias->requires_grad());
+  const bool want_dbias = c.variants.bias && (!be.has_autograd() || c.variants.bias->requires_grad());
   const ScoreOperands so = score_operands(be, c, pr, host_memory(be), want_dbias);
   set_forward_outputs(pr.p, out, lse);
   set_backward_tensors(pr.p, d, dq, dk, dv);

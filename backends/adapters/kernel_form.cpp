@@ -164,18 +164,18 @@ void flash_params(FlashParams& pr, const AttentionCall& c, const FlashLayout& l,
   p.rng_offset = static_cast<uint32_t>(c.dropout_offset);
   p.dropout_q_position = c.dropout_q_position;
   p.dropout_kv_position = c.dropout_kv_position;
-  p.bounds = {c.window_left, c.window_right};
-  p.softcap = c.softcap;
+  if (const std::optional<AttentionWindow>& w = c.variants.window) p.bounds = {w->left.value_or(-1), w->right.value_or(-1)};
+  p.softcap = c.variants.softcap.value_or(0.0);
   const int64_t H = l.Hkv * l.G;
   auto per_head = [&](const Tensor& t, std::vector<double>& out) { out = host_values(t, per_head_dims(c)); };
-  if (c.alibi_slopes) {
-    per_head(*c.alibi_slopes, pr.slopes);
+  if (c.variants.alibi_slopes) {
+    per_head(*c.variants.alibi_slopes, pr.slopes);
     p.alibi_slopes = pr.slopes.data();
     p.alibi_batch_stride = H;
     p.alibi_head_stride = 1;
   }
-  if (c.sinks) {
-    per_head(*c.sinks, pr.sinks);
+  if (c.variants.sinks) {
+    per_head(*c.variants.sinks, pr.sinks);
     p.sinks = pr.sinks.data();
     p.sinks_batch_stride = H;
     p.sinks_head_stride = 1;
@@ -228,19 +228,19 @@ ScoreOperands score_operands(Backend& be, const AttentionCall& c, FlashParams& p
                              bool dense_bias) {
   ScoreOperands s;
   kernels::AttentionKernelParams& p = pr.p;
-  if (c.bias) {
+  if (c.variants.bias) {
     const DType acc = accumulation_dtype(c);
-    s.bias = c.bias->dtype() == acc ? c.bias->raw() : be.cast(c.bias->raw(), acc);
+    s.bias = c.variants.bias->dtype() == acc ? c.variants.bias->raw() : be.cast(c.variants.bias->raw(), acc);
     if (dense_bias) s.bias = be.contiguous(s.bias);
     const HostView v = mem(s.bias);
-    plane_offsets(c, *c.bias, v, pr.bias_offsets, p.bias_row_stride, p.bias_col_stride);
+    plane_offsets(c, *c.variants.bias, v, pr.bias_offsets, p.bias_row_stride, p.bias_col_stride);
     p.bias = v.data;
     p.bias_offsets = pr.bias_offsets.data();
   }
-  if (c.mask) {
-    s.mask = c.mask->raw();
+  if (c.variants.mask) {
+    s.mask = c.variants.mask->raw();
     const HostView v = mem(s.mask);
-    plane_offsets(c, *c.mask, v, pr.mask_offsets, p.mask_row_stride, p.mask_col_stride);
+    plane_offsets(c, *c.variants.mask, v, pr.mask_offsets, p.mask_row_stride, p.mask_col_stride);
     p.mask = static_cast<const uint8_t*>(v.data);
     p.mask_offsets = pr.mask_offsets.data();
   }
@@ -251,7 +251,7 @@ RawPtr bias_gradient_buffer(Backend& be, FlashParams& pr, const AttentionCall& c
                             Device device) {
   Shape shape;
   int64_t n = 1;
-  for (const Dim& d : c.bias->dims()) shape.push_back(d.extent()), n *= d.extent();
+  for (const Dim& d : c.variants.bias->dims()) shape.push_back(d.extent()), n *= d.extent();
   RawPtr dbias = be.full(shape, 0.0, accumulation_dtype(c), device);
   // Laid out as the contiguous bias of score_operands: its offsets and strides hold.
   pr.p.dbias = mem(dbias).data;
@@ -261,7 +261,7 @@ RawPtr bias_gradient_buffer(Backend& be, FlashParams& pr, const AttentionCall& c
 }
 
 Tensor bias_gradient(Backend& be, const AttentionCall& c, const RawPtr& dbias) {
-  const Tensor& bias = *c.bias;
+  const Tensor& bias = *c.variants.bias;
   const RawPtr g = bias.dtype() == accumulation_dtype(c) ? dbias : be.cast(dbias, bias.dtype());
   return Tensor(bias.dims(), bias.dtype(), bias.device(), g, &be);
 }
@@ -269,7 +269,7 @@ Tensor bias_gradient(Backend& be, const AttentionCall& c, const RawPtr& dbias) {
 Dims per_head_dims(const AttentionCall& c) { return join({batch_head_dims(c), c.query_groups}); }
 
 Tensor sinks_gradient(Backend& be, const AttentionCall& c, const std::vector<double>& dsinks) {
-  const Tensor& sinks = *c.sinks;
+  const Tensor& sinks = *c.variants.sinks;
   // Each flat index's position in the sinks' own row-major order.
   Shape shape;
   for (const Dim& d : sinks.dims()) shape.push_back(d.extent());
@@ -443,8 +443,8 @@ AttentionCallGrads call_grads(Backend& be, const AttentionCall& c, const FlashIn
   return {named(be, c, g.q, join({kv_heads, c.query_groups, {c.query_spatial, c.key_dim}}), dt),
           named(be, c, g.k, join({kv_heads, {c.kv_spatial, c.key_dim}}), dt),
           named(be, c, g.v, join({kv_heads, {c.kv_spatial}, c.value_feature}), dt),
-          c.sinks ? std::optional<Tensor>(sinks_gradient(be, c, dsinks)) : std::nullopt,
-          c.bias ? std::optional<Tensor>(bias_gradient(be, c, dbias)) : std::nullopt};
+          c.variants.sinks ? std::optional<Tensor>(sinks_gradient(be, c, dsinks)) : std::nullopt,
+          c.variants.bias ? std::optional<Tensor>(bias_gradient(be, c, dbias)) : std::nullopt};
 }
 
 }  // namespace dimattn::detail

@@ -83,7 +83,7 @@ void structure_key(const AttentionCall& c, const OperandMemory (&m)[3], std::vec
   push(c.dropout_broadcast);
   // Which variants are on (AttentionParams' bits: gates read them), never
   // their sizes or values, which the kernels read from the call at run time.
-  push(c.variants().bits);
+  push(c.variants.set().bits);
   push(deterministic_algorithms());
   // The dims the per-entry arrays vary over decide which dims form B.
   push(c.kv_spatial.is_dynamic() ? static_cast<int64_t>(c.kv_spatial.lengths().dims().size()) : -1);

@@ -141,7 +141,7 @@ CudaGrads cuda_backward(TorchBackend& be, const AttentionCall& call, const detai
   run_kernel(pr.p, true, [&] {
     kernels::cuda_flash_backward(pr.p, workspace.data_ptr(), current_stream(q.device()));
   });
-  if (call.sinks) {
+  if (call.variants.sinks) {
     const at::Tensor d = arrays.back().cpu();
     const double* x = d.const_data_ptr<double>();
     g.dsinks.assign(x, x + d.numel());
@@ -177,9 +177,9 @@ class CudaFlashFunction : public torch::autograd::Function<CudaFlashFunction> {
     const AttentionCall& call = info->call;
     const CudaGrads g = cuda_backward(*info->be, call, info->layout, saved[0], saved[1], saved[2],
                                       {saved[3], saved[4]}, kernel_readable(grads[0]),
-                                      call.bias && call.bias->requires_grad());
+                                      call.variants.bias && call.variants.bias->requires_grad());
     at::Tensor dsinks, dbias;
-    if (call.sinks) dsinks = as_aten(detail::sinks_gradient(*info->be, call, g.dsinks).raw());
+    if (call.variants.sinks) dsinks = as_aten(detail::sinks_gradient(*info->be, call, g.dsinks).raw());
     if (g.dbias) dbias = as_aten(detail::bias_gradient(*info->be, call, g.dbias).raw());
     return {as_aten(g.inputs.q), as_aten(g.inputs.k), as_aten(g.inputs.v), dsinks, dbias, at::Tensor()};
   }
@@ -241,7 +241,7 @@ AttentionCallGrads cuda_flash_attention_backward(TorchBackend& be, const Attenti
              : cuda_forward(be, c, l, cc.q, cc.k, cc.v);
   const at::Tensor dout =
       kernel_readable(as_aten(detail::in_kernel_form(be, c, l, grad_output, "grad_output", true, c.query.dtype(), op)));
-  const CudaGrads g = cuda_backward(be, c, l, cc.q, cc.k, cc.v, fwd, dout, c.bias.has_value());
+  const CudaGrads g = cuda_backward(be, c, l, cc.q, cc.k, cc.v, fwd, dout, c.variants.bias.has_value());
   return detail::call_grads(be, c, g.inputs, g.dsinks, g.dbias);
 }
 

@@ -307,7 +307,7 @@ class CpuFlashFunction : public torch::autograd::Function<CpuFlashFunction> {
         *info->be, info->call, info->layout, {wrap(saved[0]), wrap(saved[1]), wrap(saved[2])},
         {wrap(saved[3]), wrap(saved[4])}, wrap(grads[0]), aten_parallel_for());
     at::Tensor dsinks, dbias;
-    if (info->call.sinks) dsinks = as_aten(detail::sinks_gradient(*info->be, info->call, g.dsinks).raw());
+    if (info->call.variants.sinks) dsinks = as_aten(detail::sinks_gradient(*info->be, info->call, g.dsinks).raw());
     if (g.dbias) dbias = as_aten(detail::bias_gradient(*info->be, info->call, g.dbias).raw());
     return {as_aten(g.inputs.q), as_aten(g.inputs.k), as_aten(g.inputs.v), dsinks, dbias, at::Tensor()};
   }
@@ -343,11 +343,11 @@ KernelEntry aten_entry(const char* name, DeviceType device, GateResult (*gate)(c
 }  // namespace
 
 at::Tensor sinks_input(const AttentionCall& c) {
-  return c.sinks ? as_aten(c.sinks->raw()) : at::empty({0});
+  return c.variants.sinks ? as_aten(c.variants.sinks->raw()) : at::empty({0});
 }
 
 at::Tensor bias_input(const AttentionCall& c) {
-  return c.bias ? as_aten(c.bias->raw()) : at::empty({0});
+  return c.variants.bias ? as_aten(c.variants.bias->raw()) : at::empty({0});
 }
 
 const KernelTable& TorchBackend::attention_table() const {

@@ -1,5 +1,7 @@
 #include "dimattn/selection.h"
 
+#include "dimattn/ext/attention_call.h"
+
 #include "dimattn/ext/kernel_table.h"
 
 #include <atomic>
@@ -190,7 +192,7 @@ AttentionParams attention_params(const AttentionCall& call, LayoutClass layout, 
   for (const Dim& d : call.query_groups) g *= d.extent();
   p.gqa_ratio = g;
   p.keys_only = !call.keys_only.empty();
-  p.variants = call.variants();
+  p.variants = call.variants.set();
   p.layout = layout;
   p.requires_grad = requires_grad;
   p.deterministic = deterministic_algorithms();

@@ -8,6 +8,7 @@
 #include "dimattn/run_context.h"
 #include "dimattn/trace.h"
 #include "dimattn/internal/check.h"
+#include "dimattn/internal/operand_checks.h"
 #include "attention_reference.h"
 #include "attention_roles.h"
 #include "op_util.h"
@@ -23,17 +24,6 @@ constexpr const char* kOp = "dot_attention";
 Dim fresh_like(const Dim& d) {
   if (d.is_dynamic()) return Dim::dynamic(d.name() + "'", d.lengths(), d.extent());
   return Dim(d.name() + "'", d.extent());
-}
-
-// When `x` lacks `d` but has another dim of the same name: Dims made
-// separately never compare equal, which the bare "not in" message hides
-// (both sides print as feat[4]). Empty otherwise.
-std::string same_name_hint(const Tensor& x, const Dim& d, const char* which) {
-  for (const Dim& e : x.dims())
-    if (e != d && e.name() == d.name())
-      return std::string("; ") + which + " " + e.repr() + " is another Dim with the same name: Dims made " +
-             "separately never compare equal, so make both tensors with one Dim object";
-  return "";
 }
 
 void validate(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& o) {
@@ -146,9 +136,6 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
                   "; for self-attention pass axis");
     position = pd;
   }
-  DIMATTN_CHECK(position || (!o.window && !o.alibi_slopes), kOp, o.window ? "a window" : "ALiBi",
-                " measures distance along the query's positional dim: pass query_position_dim (for causal attention, ",
-                "causal_query_spatial_dim); it is never guessed");
   // A block of a longer sequence: its positions shift the diagonal (the
   // causal offset gains query - kv) and key the dropout mask.
   std::optional<Tensor> causal_offset = o.causal_offset;
@@ -163,58 +150,14 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
       causal_offset = causal_offset ? add(cast(*causal_offset, DType::int64), delta) : delta;
     }
   }
-  int64_t window_left = -1, window_right = -1;
-  if (o.window) {
-    const AttentionWindow& w = *o.window;
-    DIMATTN_CHECK(w.left || w.right, kOp, "window has neither left nor right set; leave window unset for none");
-    DIMATTN_CHECK(!w.left || *w.left >= 0, kOp, "window.left must be >= 0 kv positions, got ", w.left.value_or(0));
-    DIMATTN_CHECK(!w.right || *w.right >= 0, kOp, "window.right must be >= 0 kv positions, got ",
-                  w.right.value_or(0));
-    DIMATTN_CHECK(!causal || !w.right || *w.right == 0, kOp, "window.right is ", w.right.value_or(0),
-                  " but causal attention sees no kv position right of the diagonal; leave it unset or 0");
-    window_left = w.left.value_or(-1);
-    window_right = w.right.value_or(-1);
+  AttentionVariants variants =
+      checked_variants(kOp, o.variants, {.query = &query, .batch = &batch, .query_only = &query_only,
+                                         .keys_only = &keys_only, .axis = o.axis, .kv_axis = kv_axis,
+                                         .position = position, .causal = causal});
+  if (variants.sink_off_by_one) {  // the kernels and the reference path see one kind of sink
+    variants.sinks = scalar(0.0, options_like(query));
+    variants.sink_off_by_one = false;
   }
-  if (o.softcap)
-    DIMATTN_CHECK(std::isfinite(*o.softcap) && *o.softcap > 0, kOp, "softcap must be finite and > 0, got ",
-                  *o.softcap, "; leave it unset for no soft-capping");
-  // Slopes and sinks live on the call's per-(batch, head) dims.
-  Dims per_head;  // only for the options that need it (a plain call makes no more vectors than it must)
-  if (o.alibi_slopes || o.sinks || o.bias || o.mask) per_head = union_dims(batch, union_dims(keys_only, query_only));
-  auto check_per_head = [&](const Tensor& t, const char* what) {
-    common_backend(kOp, {&query, &t});
-    DIMATTN_CHECK(is_floating(t.dtype()), kOp, what, " must be a floating tensor, got ", t.repr());
-    for (const Dim& d : t.dims())
-      DIMATTN_CHECK(contains(per_head, d) && (!position || d != *position), kOp, what, " ", repr(t.dims()),
-                    " has dim ", d.repr(), " which is not a batch dim of the call ", repr(batch),
-                    " (nor a keys-only or query group dim); ", what, " vary over heads and batch dims only");
-  };
-  if (o.alibi_slopes) check_per_head(*o.alibi_slopes, "alibi_slopes");
-  if (o.sinks) check_per_head(*o.sinks, "sinks");
-  // Bias and mask: over the call's dims but features; `axis` is the kv
-  // position (relabelled with the kv side in self-attention).
-  auto check_scores = [&](const Tensor& t, const char* what) {
-    common_backend(kOp, {&query, &t});
-    for (const Dim& d : t.dims())
-      DIMATTN_CHECK(d == o.axis || contains(per_head, d), kOp, what, " ", repr(t.dims()), " has dim ",
-                    d.repr(), ", which is not a dim it may vary over: batch dims ", repr(batch), ", the query's own ",
-                    "dims ", repr(query_only), ", keys-only dims ", repr(keys_only), " and axis ", o.axis.repr(),
-                    same_name_hint(query, d, "query's"), "; feature dims never carry a ", what);
-    return query.has(o.axis) && t.has(o.axis) ? replace_dim(t, o.axis, kv_axis) : t;
-  };
-  std::optional<Tensor> bias, mask;
-  if (o.bias) {
-    DIMATTN_CHECK(is_floating(o.bias->dtype()), kOp, "bias must be a floating tensor, got ", o.bias->repr(),
-                  "; for a boolean mask pass mask");
-    bias = check_scores(*o.bias, "bias");
-  }
-  if (o.mask) {
-    DIMATTN_CHECK(o.mask->dtype() == DType::boolean, kOp, "mask must be a bool tensor (true = may attend), got ",
-                  o.mask->repr(), "; for an additive float mask pass bias");
-    mask = check_scores(*o.mask, "mask");
-  }
-  DIMATTN_CHECK(!(o.sinks && o.sink_off_by_one), kOp, "sinks and sink_off_by_one are both set; the off-by-one ",
-                "sink is the fixed logit 0, learnable sinks are a tensor: choose one");
 
   // Rules 3 and 4: the query's own dims are its spatial dim (the causal dim,
   // else the longest) and groups; none means one decoding step, given a
@@ -253,13 +196,7 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
                      .dropout_offset = 0,
                      .dropout_q_position = o.positions ? o.positions->query : 0,
                      .dropout_kv_position = o.positions ? o.positions->kv : 0,
-                     .window_left = window_left,
-                     .window_right = window_right,
-                     .softcap = o.softcap.value_or(0.0),
-                     .alibi_slopes = o.alibi_slopes,
-                     .sinks = o.sink_off_by_one ? std::optional<Tensor>(scalar(0.0, options_like(query))) : o.sinks,
-                     .bias = std::move(bias),
-                     .mask = std::move(mask)};
+                     .variants = std::move(variants)};
 
   return {std::move(call), dummy};
 }

@@ -34,7 +34,7 @@ AttentionGrads backward(const char* op, const Tensor& query, const Tensor& keys,
   auto with_step = [&](const Tensor& t) { return dummy ? expand_dim(t, c.query_spatial) : t; };
   std::optional<AttentionBlockResult> m;
   if (merged) {
-    DIMATTN_CHECK(!c.sinks, op, "blocks of a longer attention cannot have sinks (each block's lse would count them)");
+    DIMATTN_CHECK(!c.variants.sinks, op, "blocks of a longer attention cannot have sinks (each block's lse would count them)");
     common_backend(op, {&query, &merged->output, &merged->lse});
     m = AttentionBlockResult{with_step(merged->output), with_step(merged->lse)};
   }
@@ -42,8 +42,8 @@ AttentionGrads backward(const char* op, const Tensor& query, const Tensor& keys,
   if (dummy) g.query = squeeze(g.query, c.query_spatial);
   AttentionGrads out{to_input_dims(g.query, query, c, opts.axis), to_input_dims(g.keys, keys, c, opts.axis),
                      to_input_dims(g.values, values, c, opts.axis), std::nullopt};
-  if (opts.sinks && g.sinks) out.sinks = copy_transpose(*g.sinks, opts.sinks->dims());  // not for the off-by-one sink
-  if (opts.bias && g.bias) out.bias = to_input_dims(*g.bias, *opts.bias, c, opts.axis);
+  if (opts.variants.sinks && g.sinks) out.sinks = copy_transpose(*g.sinks, opts.variants.sinks->dims());  // not for the off-by-one sink
+  if (opts.variants.bias && g.bias) out.bias = to_input_dims(*g.bias, *opts.variants.bias, c, opts.axis);
   return out;
 }
 
@@ -75,7 +75,7 @@ AttentionBlock detail::attention_block(const Tensor& query, const Tensor& keys, 
                                        const AttentionOptions& opts, std::optional<uint64_t> dropout_seed) {
   const char* op = "dot_attention_block";
   const auto [c, dummy] = prepare(query, keys, values, opts, dropout_seed);
-  DIMATTN_CHECK(!c.sinks, op, "blocks of a longer attention cannot have sinks (each block's lse would count them)");
+  DIMATTN_CHECK(!c.variants.sinks, op, "blocks of a longer attention cannot have sinks (each block's lse would count them)");
   AttentionBlockResult r = query.backend().attention_block(c);
   if (dummy) return {squeeze(r.output, c.query_spatial), squeeze(r.lse, c.query_spatial)};
   return {r.output, r.lse};

@@ -30,6 +30,7 @@
 #include "dimattn/internal/check.h"
 #include "dimattn/run_context.h"
 #include "dimattn/trace.h"
+#include "common/attention_mask.h"
 #include "attention_roles.h"
 #include "op_util.h"
 
@@ -97,47 +98,49 @@ class Ring {
       broadcast_ = local->dropout_broadcast;
       seed_ = local->dropout_seed;
       scale_ = local->scale;
-      window_left_ = local->window_left;
-      window_right_ = local->window_right;
     }
-    softcap_ = o.softcap;
-    alibi_ = o.alibi_slopes;
-    off_by_one_ = o.sink_off_by_one;
-    const int64_t t_local = q.has(axis_) ? axis_.extent() : 0;
-    const std::vector<double> meta{double(t_local),
-                                   double(seed_ >> 32),
-                                   double(seed_ & 0xffffffffu),
-                                   double(cp_.sharding),
-                                   double(cp_.strategy),
-                                   double(causal_),
-                                   std::round(dropout_ * (1 << 24)),
-                                   double(broadcast_),
-                                   double(window_left_),
-                                   double(window_right_),
-                                   double(lengths_.has_value()),
-                                   double(o.sinks.has_value()) + 2.0 * double(o.sink_off_by_one),
-                                   double(per_position(kdims_)),
-                                   double(per_position(vdims_)),
-                                   double(local_error != nullptr)};
+    variants_ = o.variants;
+    // What each rank sends: its shard length, its seed (rank 0's is used),
+    // whether preparing its call failed, then what every rank must agree on
+    // (from kAgreed on): the sizes of keys and values per position, the
+    // options, and the variants' fingerprint. float64: the fingerprint holds
+    // fractions (a softcap), the seed's halves fit exactly.
+    enum : size_t { kLength, kSeedHigh, kSeedLow, kFailed, kAgreed, kKeysPerPosition = kAgreed, kValuesPerPosition };
+    std::vector<double> meta{double(q.has(axis_) ? axis_.extent() : 0),
+                             double(seed_ >> 32),
+                             double(seed_ & 0xffffffffu),
+                             double(local_error != nullptr),
+                             double(per_position(kdims_)),
+                             double(per_position(vdims_)),
+                             double(cp_.sharding),
+                             double(cp_.strategy),
+                             double(causal_),
+                             dropout_,
+                             double(broadcast_),
+                             double(lengths_.has_value())};
+    const std::vector<double> fingerprint = variants_.fingerprint();
+    meta.insert(meta.end(), fingerprint.begin(), fingerprint.end());
     const auto n = static_cast<int64_t>(meta.size());
     std::vector<RawPtr> all;
-    pg_->all_gather(be_.from_host({n}, meta, DType::int64, device_), all)->wait();
+    pg_->all_gather(be_.from_host({n}, meta, DType::float64, device_), all)->wait();
     std::vector<std::vector<double>> metas;
     for (const RawPtr& r : all) metas.push_back(be_.to_host(r));
     for (int r = 0; r < world_; ++r) {
-      if (metas[r][14] != 0) {
+      const std::vector<double>& m = metas[r];
+      if (m[kFailed] != 0) {
         if (r == rank_) std::rethrow_exception(local_error);
         fail(kOp, "context_parallel: rank ", r, " of the group failed to prepare its call (its own error says why); ",
              "every rank makes the same call with its own shard");
       }
-      DIMATTN_CHECK(std::equal(metas[r].begin() + 3, metas[r].begin() + 14, metas[0].begin() + 3), kOp,
+      DIMATTN_CHECK(std::equal(m.begin() + kAgreed, m.end(), metas[0].begin() + kAgreed), kOp,
                     "context_parallel: rank ", r, " calls with other options or other sizes of the dims but axis than ",
-                    "rank 0 (sharding, strategy, causal, dropout, window, lengths, sinks; keys and values have ",
-                    metas[r][12], " and ", metas[r][13], " elements per position there, ", metas[0][12], " and ",
-                    metas[0][13], " on rank 0); every rank must make the same call on its own shard");
-      sizes_.push_back(static_cast<int64_t>(metas[r][0]));
+                    "rank 0 (sharding, strategy, causal, dropout, lengths, variants; keys and values have ",
+                    m[kKeysPerPosition], " and ", m[kValuesPerPosition], " elements per position there, ",
+                    metas[0][kKeysPerPosition], " and ", metas[0][kValuesPerPosition],
+                    " on rank 0); every rank must make the same call on its own shard");
+      sizes_.push_back(static_cast<int64_t>(m[kLength]));
     }
-    seed_ = (uint64_t(metas[0][1]) << 32) | uint64_t(metas[0][2]);  // rank 0's draw, shared
+    seed_ = (uint64_t(metas[0][kSeedHigh]) << 32) | uint64_t(metas[0][kSeedLow]);  // rank 0's draw, shared
     int64_t total = 0;
     for (int64_t s : sizes_) total += s;
     if (cp_.sharding == ContextSharding::load_balanced) {
@@ -175,7 +178,8 @@ class Ring {
     });
     // A sink joins every row's denominator once, with no value: one more
     // block of lse = its logit and output 0.
-    const std::optional<Tensor> sink = sinks ? sinks : off_by_one_ ? std::optional(scalar_like(q, 0)) : std::nullopt;
+    const std::optional<Tensor> sink =
+        sinks ? sinks : variants_.sink_off_by_one ? std::optional(scalar_like(q, 0)) : std::nullopt;
     if (sink)
       for (size_t i = 0; i < mine.size(); ++i) merge(acc_out[i], acc_lse[i], scalar_like(q, 0), *sink);
     std::vector<Tensor> outs;
@@ -352,13 +356,20 @@ class Ring {
     return Dim::dynamic(name, window_lengths(*lengths_, r.first, r.second - r.first), r.second - r.first);
   }
 
-  // Whether a mask leaves every element of the block empty (no kernel call).
+  // Whether the masks leave every element of the block empty (no kernel
+  // call): no row of the query range attends into the kv range, by the
+  // kernels' own row ranges (kernels/common/attention_mask.h) over the whole
+  // sequence's positions (padding is not looked at: such blocks still run).
   bool skipped(const Range& q, const Range& kv) const {
-    if (q.second <= q.first || kv.second <= kv.first) return true;
-    if (causal_ && kv.first > q.second - 1) return true;
-    if (window_left_ >= 0 && kv.second - 1 < q.first - window_left_) return true;
-    if (window_right_ >= 0 && kv.first > q.second - 1 + window_right_) return true;
-    return false;
+    const std::optional<AttentionWindow>& w = variants_.window;
+    const kernels::RowBounds bounds{w ? w->left.value_or(-1) : -1, w ? w->right.value_or(-1) : -1};
+    const kernels::EntryMask m =
+        kernels::entry_mask(nullptr, nullptr, nullptr, causal_, q.second, kv.second, 0, bounds);
+    for (int64_t i = q.first; i < q.second; ++i) {
+      const kernels::Range row = m.row(i);
+      if (std::max(row.lo, kv.first) < std::min(row.hi, kv.second)) return false;
+    }
+    return true;
   }
 
   // fn(block) for each block of this rank's query chunks against rank r's
@@ -378,11 +389,11 @@ class Ring {
         o.att_dropout_broadcast = broadcast_;
         (causal_ ? o.causal_query_spatial_dim : o.query_position_dim) = qc.q_dim;
         o.scale = scale_;
-        if (window_left_ >= 0 || window_right_ >= 0)
-          o.window = AttentionWindow{window_left_ >= 0 ? std::optional<int64_t>(window_left_) : std::nullopt,
-                                     window_right_ >= 0 ? std::optional<int64_t>(window_right_) : std::nullopt};
-        o.softcap = softcap_;
-        o.alibi_slopes = alibi_;
+        // The call's variants but its sinks, which join the merge once
+        // (forward) instead of every block's lse.
+        o.variants = variants_;
+        o.variants.sinks.reset();
+        o.variants.sink_off_by_one = false;
         o.positions = AttentionPositions{qc.range.first, kc.range.first};
         const TrainFlagScope train(dropout_ > 0);  // the backward pass runs after the caller's scope ended
         fn(Block{i, j, &qc, kb, vb, std::move(o)});
@@ -507,10 +518,7 @@ class Ring {
   double dropout_ = 0.0;
   uint64_t seed_ = 0;
   double scale_ = 1.0;
-  int64_t window_left_ = -1, window_right_ = -1;
-  std::optional<double> softcap_;
-  std::optional<Tensor> alibi_;
-  bool off_by_one_ = false;
+  AttentionVariants variants_;  // the call's
   std::vector<int64_t> sizes_;
   std::vector<std::vector<Range>> ranges_;
   std::vector<Dim> shard_dims_;  // per rank: its shard's positions, as received
@@ -534,8 +542,8 @@ void check_local(const Tensor& q, const Tensor& k, const Tensor& v, const Attent
   };
   unsupported(o.causal_offset.has_value(), "causal_offset");
   unsupported(o.positions.has_value(), "positions");
-  unsupported(o.bias.has_value(), "bias");
-  unsupported(o.mask.has_value(), "mask");
+  unsupported(o.variants.bias.has_value(), "bias");
+  unsupported(o.variants.mask.has_value(), "mask");
   DIMATTN_CHECK(bad.empty(), kOp, "context_parallel does not take ", bad, " yet (a bias, mask or offset over the ",
                 "whole sequence would have to be split with it); call without them or on one process");
   DIMATTN_CHECK(!TraceScope::capturing(), kOp, "context_parallel calls cannot be traced (the energies live on every ",
@@ -593,7 +601,7 @@ Tensor detail::context_parallel_attention(const Tensor& query, const Tensor& key
     using V = VariantKind;
     const VariantSet passed =
         VariantSet().set(V::window).set(V::softcap).set(V::alibi).set(V::sinks).set(V::sinks_grad);
-    const VariantSet other = prepared->call.variants().without(passed);
+    const VariantSet other = prepared->call.variants.set().without(passed);
     DIMATTN_CHECK(!other.any(), kOp, "context_parallel does not take ", other.names(true), " yet; call without it or on ",
                   "one process");
   } catch (const Error&) {
@@ -602,7 +610,7 @@ Tensor detail::context_parallel_attention(const Tensor& query, const Tensor& key
   ring->agree(query, keys, values, o, prepared ? &prepared->call : nullptr, error);
 
   auto fn = std::make_shared<CustomFunction>();
-  const bool learnable = o.sinks.has_value();
+  const bool learnable = o.variants.sinks.has_value();
   fn->forward = [ring, learnable](const std::vector<Tensor>& in) {
     return ring->guarded([&] { return ring->forward(in[0], in[1], in[2], learnable ? std::optional(in[3]) : std::nullopt); });
   };
@@ -610,7 +618,7 @@ Tensor detail::context_parallel_attention(const Tensor& query, const Tensor& key
     return ring->guarded([&] { return ring->backward(saved, grads[0], learnable); });
   };
   std::vector<Tensor> inputs{query, keys, values};
-  if (learnable) inputs.push_back(*o.sinks);
+  if (learnable) inputs.push_back(*o.variants.sinks);
   return be.apply_custom_function(inputs, fn)[0];
 }
 

@@ -8,24 +8,6 @@
 namespace dimattn {
 namespace detail {
 
-Backend& common_backend(const char* op, std::initializer_list<const Tensor*> operands) {
-  const Tensor* first = *operands.begin();
-  for (const Tensor* t : operands) {
-    DIMATTN_CHECK(&t->backend() == &first->backend(), op, "operands live on different backends: ", first->repr(),
-          " and ", t->repr(), "; convert one with to_backend(x, \"", first->backend().name(), "\")");
-    DIMATTN_CHECK(t->device() == first->device(), op, "operands live on different devices: ", first->repr(), " and ",
-          t->repr(), "; move one with to_device");
-  }
-  return first->backend();
-}
-
-void check_same_dtype(const char* op, std::initializer_list<const Tensor*> operands) {
-  const Tensor* first = *operands.begin();
-  for (const Tensor* t : operands)
-    DIMATTN_CHECK(t->dtype() == first->dtype(), op, "operands have different dtypes: ", first->repr(), " and ",
-          t->repr(), "; cast one with cast(x, ", dtype_name(first->dtype()), ")");
-}
-
 TensorOptions options_like(const Tensor& x, DType dtype) { return {dtype, x.device(), x.backend().name()}; }
 TensorOptions options_like(const Tensor& x) { return options_like(x, x.dtype()); }
 

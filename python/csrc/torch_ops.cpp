@@ -297,13 +297,14 @@ Call make_call(c10::string_view spec_text, const at::Tensor& q, const at::Tensor
   }
   c.opts.scale = s.scale;
   if (s.query_position) c.opts.query_position_dim = t[*s.query_position];
-  if (s.window) c.opts.window = AttentionWindow{s.window->left, s.window->right};
-  c.opts.softcap = s.softcap;
-  if (s.alibi) c.opts.alibi_slopes = from_aten(aux[s.alibi->index], t.dims(s.alibi->over));
-  if (s.sinks) c.opts.sinks = from_aten(aux[s.sinks->index], t.dims(s.sinks->over));
-  c.opts.sink_off_by_one = s.sink_off_by_one;
-  if (s.bias) c.opts.bias = from_aten(aux[s.bias->index], t.dims(s.bias->over));
-  if (s.mask) c.opts.mask = from_aten(aux[s.mask->index], t.dims(s.mask->over));
+  AttentionVariants& var = c.opts.variants;
+  if (s.window) var.window = AttentionWindow{s.window->left, s.window->right};
+  var.softcap = s.softcap;
+  if (s.alibi) var.alibi_slopes = from_aten(aux[s.alibi->index], t.dims(s.alibi->over));
+  if (s.sinks) var.sinks = from_aten(aux[s.sinks->index], t.dims(s.sinks->over));
+  var.sink_off_by_one = s.sink_off_by_one;
+  if (s.bias) var.bias = from_aten(aux[s.bias->index], t.dims(s.bias->over));
+  if (s.mask) var.mask = from_aten(aux[s.mask->index], t.dims(s.mask->over));
   if (s.context_parallel) {
     const CallSpec::ContextParallelSpec& cp = *s.context_parallel;
     ContextParallel& o = c.opts.context_parallel.emplace();

@@ -63,9 +63,9 @@ TEST(Blocks, MergedBlocksEqualTheWholeCall) {
         if (var.causal) o.causal_query_spatial_dim = qd;
         else o.query_position_dim = qd;
         if (var.window_alibi) {
-          o.window = AttentionWindow{.left = 3};
+          o.variants.window = AttentionWindow{.left = 3};
           const Tensor slopes = from_host({heads}, {0.5, 0.25}, o64);
-          o.alibi_slopes = placed ? to_device(slopes, place.device) : slopes;
+          o.variants.alibi_slopes = placed ? to_device(slopes, place.device) : slopes;
         }
         return o;
       };
@@ -208,7 +208,7 @@ TEST(Blocks, BadInputIsAnError) {
   EXPECT_NE(msg.find("causal_query_spatial_dim or query_position_dim"), std::string::npos) << msg;
   msg = testing::error_of([&] {
     AttentionOptions o{.key_dim = feat, .axis = time, .query_position_dim = time};
-    o.sinks = from_host({heads}, {0.1, 0.2}, eo);
+    o.variants.sinks = from_host({heads}, {0.1, 0.2}, eo);
     dot_attention_block(x, x, x, o);
   });
   EXPECT_EQ(msg.rfind("[dot_attention_block]", 0), 0u) << msg;

@@ -203,26 +203,26 @@ const std::map<std::string, ErrorCase>& error_cases() {
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
           o.query_position_dim = e.time;
-          o.window = AttentionWindow{-2, std::nullopt};
+          o.variants.window = AttentionWindow{-2, std::nullopt};
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"window_empty",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
           o.query_position_dim = e.time;
-          o.window = AttentionWindow{};
+          o.variants.window = AttentionWindow{};
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"window_without_position",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.window = AttentionWindow{2, 2};
+          o.variants.window = AttentionWindow{2, 2};
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"alibi_without_position",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.alibi_slopes = from_host({e.batch}, {0.5, 0.25}, e.f32);
+          o.variants.alibi_slopes = from_host({e.batch}, {0.5, 0.25}, e.f32);
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"window_right_with_causal",
@@ -230,7 +230,7 @@ const std::map<std::string, ErrorCase>& error_cases() {
           AttentionOptions o = e.opts();
           o.causal_query_spatial_dim = e.time;
           o.causal_offset = e.lens({2, 2});
-          o.window = AttentionWindow{2, 1};
+          o.variants.window = AttentionWindow{2, 1};
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"position_dim_not_query_only",
@@ -251,62 +251,62 @@ const std::map<std::string, ErrorCase>& error_cases() {
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
           o.query_position_dim = e.time;
-          o.alibi_slopes = from_host({e.time}, {0.5, 0.25, 0.1}, e.f32);
+          o.variants.alibi_slopes = from_host({e.time}, {0.5, 0.25, 0.1}, e.f32);
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"sinks_foreign_dim",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.sinks = from_host({Dim("other", 3)}, {0, 0, 0}, e.f32);
+          o.variants.sinks = from_host({Dim("other", 3)}, {0, 0, 0}, e.f32);
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"sinks_not_float",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.sinks = from_host({e.batch}, {0, 0}, e.i64);
+          o.variants.sinks = from_host({e.batch}, {0, 0}, e.i64);
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"softcap_not_positive",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.softcap = 0.0;
+          o.variants.softcap = 0.0;
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"sinks_and_off_by_one",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.sinks = from_host({e.batch}, {0, 0}, e.f32);
-          o.sink_off_by_one = true;
+          o.variants.sinks = from_host({e.batch}, {0, 0}, e.f32);
+          o.variants.sink_off_by_one = true;
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"bias_foreign_dim",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.bias = from_host({e.batch, Dim("other", 3)}, {0, 0, 0, 0, 0, 0}, e.f32);
+          o.variants.bias = from_host({e.batch, Dim("other", 3)}, {0, 0, 0, 0, 0, 0}, e.f32);
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"bias_over_feature",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.bias = from_host({e.feat}, {0, 0, 0, 0}, e.f32);
+          o.variants.bias = from_host({e.feat}, {0, 0, 0, 0}, e.f32);
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"bias_not_float",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.bias = from_host({e.batch}, {0, 0}, e.i64);
+          o.variants.bias = from_host({e.batch}, {0, 0}, e.i64);
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"mask_not_bool",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.mask = from_host({e.enc}, {1, 1, 1, 0, 0}, e.f32);
+          o.variants.mask = from_host({e.enc}, {1, 1, 1, 0, 0}, e.f32);
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"mask_foreign_dim",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.mask = compare(from_host({Dim("other", 2)}, {1, 0}, e.f32), Compare::gt, 0.5);
+          o.variants.mask = compare(from_host({Dim("other", 2)}, {1, 0}, e.f32), Compare::gt, 0.5);
           dot_attention(e.q, e.k, e.v, o);
         }}},
       // --- blocks of a longer sequence ---
@@ -326,7 +326,7 @@ const std::map<std::string, ErrorCase>& error_cases() {
       {"block_with_sinks",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.sinks = from_host({e.batch}, {0.5, 0.5}, e.f32);
+          o.variants.sinks = from_host({e.batch}, {0.5, 0.5}, e.f32);
           dot_attention_block(e.q, e.k, e.v, o);
         }}},
       {"context_parallel_unknown_group",
@@ -344,7 +344,7 @@ const std::map<std::string, ErrorCase>& error_cases() {
           dot_attention(e.q, e.q, e.q,
                         {.key_dim = e.feat,
                          .axis = e.time,
-                         .mask = compare(e.lens({1, 2}), Compare::gt, 0.0),
+                         .variants = {.mask = compare(e.lens({1, 2}), Compare::gt, 0.0)},
                          .context_parallel = ContextParallel{"0"}});
         }}},
       {"context_parallel_explain",

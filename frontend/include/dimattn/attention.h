@@ -32,16 +32,9 @@
 #include "dimattn/dim.h"
 #include "dimattn/selection.h"
 #include "dimattn/tensor.h"
+#include "dimattn/variants.h"
 
 namespace dimattn {
-
-// A sliding window in kv positions around each query row's diagonal
-// i + causal_offset: row i attends kv j with
-// i + offset - left <= j <= i + offset + right. An unset side is unbounded;
-// with causal attention `right` must be unset or 0.
-struct AttentionWindow {
-  std::optional<int64_t> left, right;
-};
 
 // Where a call lies in a longer sequence when it computes one block of it
 // (context parallelism, docs/distributed.md): the query's positional row i is
@@ -108,30 +101,8 @@ struct AttentionOptions {
   // it is causal_query_spatial_dim (set it to that or leave it unset);
   // windows and ALiBi without causal need it: it is never guessed.
   std::optional<Dim> query_position_dim;
-  std::optional<AttentionWindow> window;
-  // Energies become softcap * tanh(energy / softcap) (Gemma 2). > 0.
-  std::optional<double> softcap;
-  // ALiBi: energies get -slope * |i + offset - j|; a float tensor over
-  // (a subset of) the call's batch dims, usually heads (BLOOM, MPT).
-  std::optional<Tensor> alibi_slopes;
-  // Attention sinks: a float logit over (a subset of) the call's batch dims,
-  // usually heads, that joins every row's softmax denominator and carries no
-  // value (GPT-OSS); learnable (gradients flow to it).
-  std::optional<Tensor> sinks;
-  // The fixed "off-by-one" sink: logit 0 in every row's denominator.
-  bool sink_off_by_one = false;
-  // An additive float bias on the energies (after soft-capping, with ALiBi),
-  // over any of the call's dims except features: batch dims, the query's own
-  // dims (its positional dim, heads of GQA, beam), keys-only dims and `axis`
-  // (the kv position). Broadcast by name over the dims it lacks, never
-  // expanded by the fused kernels; gradients flow to it (T5's relative
-  // position bias, document masks as -inf). In self-attention (`axis` in the
-  // query) `axis` here is the kv position: for a bias that also varies with
-  // the query position, give keys and values their own kv dim.
-  std::optional<Tensor> bias;
-  // A bool mask over dims as for `bias`: true = may attend. Combined with
-  // every other mask; a row left without any position gives 0.
-  std::optional<Tensor> mask;
+  // Sliding window, soft-capping, ALiBi, sinks, bias and mask (variants.h).
+  AttentionVariants variants;
   // This call as one block of a longer sequence (AttentionPositions).
   // Needs a positional query dim (causal_query_spatial_dim or
   // query_position_dim) or self-attention's axis.
