@@ -15,6 +15,7 @@
 #include <iterator>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -108,6 +109,10 @@ struct AttentionVariants {
     fn("bias", v.bias);
     fn("mask", v.mask);
   }
+
+  // Whether the tensor field of this name gets a gradient (the sinks, the
+  // bias); the other tensors are constants (ALiBi's slopes, the mask).
+  static bool learnable(std::string_view field) { return field == "sinks" || field == "bias"; }
 
   // Which are on (a learnable tensor that requires grad adds its *_grad kind).
   VariantSet set() const;
