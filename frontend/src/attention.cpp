@@ -233,7 +233,7 @@ Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& valu
     // T = 0). It runs the reference path, which every backend has and which
     // keeps autograd connected; selection still runs first, so that forcing
     // a kernel that cannot take the call fails as it would for any size.
-    query.backend().plan_attention(call);
+    query.backend().plan_attention(call, KernelUse::run);
     Tensor out = restore(reference_attention(call).output);
     if (TraceScope::active())
       TraceScope::record({kReferenceKernel, out, std::nullopt, std::nullopt, q.shape(), k.shape(), v.shape()});
@@ -244,7 +244,7 @@ Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& valu
   // The plan is made once per call: what the backend derived to decide is
   // what it runs.
   Backend& be = query.backend();
-  const AttentionPlanPtr plan = be.plan_attention(call);
+  const AttentionPlanPtr plan = be.plan_attention(call, KernelUse::run);
   const std::string& kernel = plan->decision.kernel;
   Tensor out = restore(kernel == kReferenceKernel ? reference_attention(call).output : be.run_attention(call, *plan));
   if (TraceScope::active())
