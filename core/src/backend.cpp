@@ -72,7 +72,7 @@ std::vector<Tensor> Backend::apply_custom_function(const std::vector<Tensor>& in
 }
 
 std::unique_ptr<ProcessGroup> Backend::process_group(const std::string& group, std::optional<double>) {
-  detail::fail("dot_attention", "context_parallel: no process group named '", group, "' on backend '", name(),
+  detail::fail("context_parallel_attention", "no process group named '", group, "' on backend '", name(),
                "', which has none; context parallelism runs on the torch backend over torch.distributed's groups");
 }
 

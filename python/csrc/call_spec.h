@@ -23,7 +23,7 @@
 // "window=LEFT:RIGHT" (an empty side is unbounded), "softcap=X",
 // "alibi=I:dims" and "sinks=I:dims" (aux[I] over dims), "sink_off_by_one=1",
 // "bias=I:dims" (a float aux[I], AttentionOptions::bias) and "mask=I:dims"
-// (a bool aux[I], AttentionOptions::mask); "cp=SHARDING:STRATEGY:TIMEOUT:GROUP" (AttentionOptions::context_parallel:
+// (a bool aux[I], AttentionOptions::mask); "cp=SHARDING:STRATEGY:TIMEOUT:GROUP" (context_parallel_attention's ContextParallel:
 // contiguous or load_balanced, ring or all_gather, seconds or empty, the c10d
 // group's name, last: it may hold ':') and "cp_lengths=I:dims" (its lengths).
 // Names hold no ';', ',', '=' or ':' (the Python side makes them so).

@@ -7,7 +7,8 @@
 //   dimattn::explain(query, keys, values, aux, spec) -> str
 //   dimattn::kernel_names() -> str[]
 // dot_attention with a "cp" entry runs a whole context-parallel call
-// (frontend/src/context_parallel.cpp) over the c10d group of that name.
+// (context_parallel_attention, dimattn/context_parallel.h) over the c10d
+// group of that name.
 //
 // Dims and options cross as the call spec (call_spec.h). Each op makes the
 // call's Dims from it (names are unique per call, so one name is one Dim),
@@ -46,6 +47,7 @@
 
 #include "call_spec.h"
 #include "dimattn/attention.h"
+#include "dimattn/context_parallel.h"
 #include "dimattn/error.h"
 #include "dimattn/forcing.h"
 #include "dimattn/run_context.h"
@@ -277,6 +279,12 @@ struct Call {
   DimTable table;
   std::optional<Tensor> q, k, v;
   AttentionOptions opts;
+  std::optional<ContextParallel> cp;  // the spec's "cp" entry
+
+  // The call: dot_attention, or context_parallel_attention with a "cp" entry.
+  Tensor attend() const {
+    return cp ? context_parallel_attention(*q, *k, *v, opts, *cp) : dot_attention(*q, *k, *v, opts);
+  }
 };
 
 Call make_call(c10::string_view spec_text, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -307,7 +315,7 @@ Call make_call(c10::string_view spec_text, const at::Tensor& q, const at::Tensor
   if (s.mask) var.mask = from_aten(aux[s.mask->index], t.dims(s.mask->over));
   if (s.context_parallel) {
     const CallSpec::ContextParallelSpec& cp = *s.context_parallel;
-    ContextParallel& o = c.opts.context_parallel.emplace();
+    ContextParallel& o = c.cp.emplace();
     o.group = cp.group;
     if (cp.sharding == "load_balanced") o.sharding = ContextSharding::load_balanced;
     else if (cp.sharding != "contiguous") fail("context_parallel sharding '" + cp.sharding + "': contiguous or load_balanced");
@@ -358,7 +366,7 @@ at::Tensor dot_attention_op(const at::Tensor& q, const at::Tensor& k, const at::
   const Call c = make_call(spec, q, k, v, aux);
   const RunScope scope(c.spec, aux);
   at::NoGradGuard no_grad;
-  const Tensor out = dot_attention(*c.q, *c.k, *c.v, c.opts);
+  const Tensor out = c.attend();
   return in_order(out, c.spec.out, c.table, "the output", {&q, &k, &v});
 }
 
@@ -392,7 +400,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dot_atten
   }
   const Call c = make_call(spec, qd, kd, vd, aux_d);
   const RunScope scope(c.spec, aux);
-  const Tensor out = dot_attention(*c.q, *c.k, *c.v, c.opts);
+  const Tensor out = c.attend();
   const at::Tensor o = to_aten(out).permute([&] {
     std::vector<int64_t> perm;
     for (const std::string& n : c.spec.out) perm.push_back(out.axis_of(c.table[n]));
@@ -416,7 +424,7 @@ std::tuple<at::Tensor, at::Tensor> dot_attention_trace_op(const at::Tensor& q, c
   const RunScope scope(c.spec, aux);
   at::NoGradGuard no_grad;
   TraceScope trace(/*capture_tensors=*/true);
-  dot_attention(*c.q, *c.k, *c.v, c.opts);
+  c.attend();
   const AttentionTrace& r = trace.records().at(0);
   // The energy's dims by the spec's names; "'" is the one dim the call made
   // itself (the kv side of self-attention).
@@ -446,6 +454,7 @@ std::string explain_op(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        c10::string_view spec) {
   const Call c = make_call(spec, q, k, v, aux);
   const RunScope scope(c.spec, aux);
+  if (c.cp) fail("explain takes no context_parallel: explain the call on one process");
   const Decision d = explain_attention(*c.q, *c.k, *c.v, c.opts);
   std::string s = d.kernel;
   for (const Rejection& r : d.rejected) s += "\x1e" + r.kernel + "\x1f" + r.reason;
@@ -513,7 +522,7 @@ at::Tensor dot_attention_autograd(const at::Tensor& q, const at::Tensor& k, cons
     // group, no recomputation); eager only.
     const Call c = make_call(spec, q, k, v, aux);
     const RunScope scope(c.spec, aux);
-    const Tensor out = dot_attention(*c.q, *c.k, *c.v, c.opts);
+    const Tensor out = c.attend();
     return in_order(out, c.spec.out, c.table, "the output", {&q, &k, &v});
   }
   std::array<std::optional<at::Tensor>, 2> learned;  // sinks, bias

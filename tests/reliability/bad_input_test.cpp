@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "dimattn/attention.h"
+#include "dimattn/context_parallel.h"
 #include "dimattn/ext/backend.h"
 #include "dimattn/forcing.h"
 #include "dimattn/ext/backend.h"
@@ -332,25 +333,26 @@ const std::map<std::string, ErrorCase>& error_cases() {
         }}},
       {"context_parallel_unknown_group",
        {[](const Ex& e) {
-          dot_attention(e.q, e.q, e.q, {.key_dim = e.feat, .axis = e.time, .context_parallel = ContextParallel{"nope"}});
+          context_parallel_attention(e.q, e.q, e.q, {.key_dim = e.feat, .axis = e.time}, ContextParallel{"nope"});
         }}},
       {"context_parallel_cross_attention",
+       {[](const Ex& e) { context_parallel_attention(e.q, e.k, e.v, e.opts(), ContextParallel{"0"}); }}},
+      {"context_parallel_position_not_axis",
        {[](const Ex& e) {
-          AttentionOptions o = e.opts();
-          o.context_parallel = ContextParallel{"0"};
-          dot_attention(e.q, e.k, e.v, o);
+          context_parallel_attention(e.q, e.q, e.q, {.key_dim = e.feat, .axis = e.time, .query_position_dim = e.batch},
+                                     ContextParallel{"0"});
         }}},
       {"context_parallel_with_mask",
        {[](const Ex& e) {
-          dot_attention(e.q, e.q, e.q,
-                        {.key_dim = e.feat,
-                         .axis = e.time,
-                         .variants = {.mask = compare(e.lens({1, 2}), Compare::gt, 0.0)},
-                         .context_parallel = ContextParallel{"0"}});
+          context_parallel_attention(
+              e.q, e.q, e.q,
+              {.key_dim = e.feat, .axis = e.time, .variants = {.mask = compare(e.lens({1, 2}), Compare::gt, 0.0)}},
+              ContextParallel{"0"});
         }}},
-      {"context_parallel_explain",
+      {"context_parallel_lengths_not_integer",
        {[](const Ex& e) {
-          explain_attention(e.q, e.q, e.q, {.key_dim = e.feat, .axis = e.time, .context_parallel = ContextParallel{"0"}});
+          context_parallel_attention(e.q, e.q, e.q, {.key_dim = e.feat, .axis = e.time},
+                                     ContextParallel{.group = "0", .lengths = e.lens({3, 2}, DType::float32)});
         }}},
       {"causal_offset_not_integer",
        {[](const Ex& e) {
