@@ -131,8 +131,9 @@ Decision decide(const std::string& backend, const AttentionParams& params,
   // reference path always can run it); blocks and gradients outside
   // autograd have no reference path.
   if (force.automatic)
-    detail::fail(kernel_use_op(use), "no kernel of backend '", backend, "' on ", params.device == DeviceType::cpu ? "cpu" : "cuda",
-                 " can ", use_words(use), " (", params.describe(), "):", reasons, "\nChange the call or its backend.");
+    detail::fail(kernel_use_op(use), "no kernel of backend '", backend, "' on ",
+                 params.device == DeviceType::cpu ? "cpu" : "cuda", " can ", use_words(use), " (", params.describe(),
+                 "):", reasons, "\nChange the call or its backend.");
   detail::fail(kernel_use_op(use), "no forced kernel can ", use_words(use), " (forced: ", force.describe(), "; ",
                params.describe(), "):", reasons,
                use == KernelUse::run ? "\nForce 'auto' or 'reference', or change the call."
