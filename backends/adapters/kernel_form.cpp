@@ -436,15 +436,14 @@ AttentionBlockResult block_result(Backend& be, const AttentionCall& c, const Raw
   return {flash_output(be, c, out4), named(be, c, lse3, kernel_output_order(c, false), lse_dtype_of(c))};
 }
 
-AttentionCallGrads call_grads(Backend& be, const AttentionCall& c, const FlashInputs& g,
-                              const std::vector<double>& dsinks, const RawPtr& dbias) {
+AttentionCallGrads call_grads(Backend& be, const AttentionCall& c, const FlashGrads& g) {
   const Dims kv_heads = batch_head_dims(c);
   const DType dt = c.query.dtype();
-  return {named(be, c, g.q, join({kv_heads, c.query_groups, {c.query_spatial, c.key_dim}}), dt),
-          named(be, c, g.k, join({kv_heads, {c.kv_spatial, c.key_dim}}), dt),
-          named(be, c, g.v, join({kv_heads, {c.kv_spatial}, c.value_feature}), dt),
-          c.variants.sinks ? std::optional<Tensor>(sinks_gradient(be, c, dsinks)) : std::nullopt,
-          c.variants.bias ? std::optional<Tensor>(bias_gradient(be, c, dbias)) : std::nullopt};
+  return {named(be, c, g.inputs.q, join({kv_heads, c.query_groups, {c.query_spatial, c.key_dim}}), dt),
+          named(be, c, g.inputs.k, join({kv_heads, {c.kv_spatial, c.key_dim}}), dt),
+          named(be, c, g.inputs.v, join({kv_heads, {c.kv_spatial}, c.value_feature}), dt),
+          c.variants.sinks ? std::optional<Tensor>(sinks_gradient(be, c, g.dsinks)) : std::nullopt,
+          c.variants.bias ? std::optional<Tensor>(bias_gradient(be, c, g.dbias)) : std::nullopt};
 }
 
 }  // namespace dimattn::detail

@@ -67,10 +67,13 @@ namespace {
 struct Key {
   std::string backend;
   AttentionParams params;
+  KernelUse use;
   bool operator==(const Key&) const = default;
 };
 struct KeyHash {
-  size_t operator()(const Key& k) const { return AttentionParamsHash()(k.params) ^ std::hash<std::string>()(k.backend); }
+  size_t operator()(const Key& k) const {
+    return AttentionParamsHash()(k.params) ^ std::hash<std::string>()(k.backend) ^ static_cast<size_t>(k.use);
+  }
 };
 
 struct Cache {
@@ -89,7 +92,19 @@ bool debug_enabled() {
   return env && *env && std::string(env) != "0";
 }
 
-Decision decide(const AttentionParams& params, const std::vector<KernelCandidate>& candidates) {
+// What a use asks, in words: "... can <this>".
+const char* use_words(KernelUse use) {
+  switch (use) {
+    case KernelUse::run: return "run this call";
+    case KernelUse::block: return "compute this call as a block (its output and each row's lse)";
+    case KernelUse::backward:
+    case KernelUse::block_backward: return "compute this call's gradients outside autograd";
+  }
+  return "?";
+}
+
+Decision decide(const std::string& backend, const AttentionParams& params,
+                const std::vector<KernelCandidate>& candidates, KernelUse use) {
   const KernelForce force = parse_kernel_force(params.forced);
   Decision d;
   d.params = params;
@@ -112,22 +127,32 @@ Decision decide(const AttentionParams& params, const std::vector<KernelCandidate
     for (const auto& c : candidates) listed = listed || c.name == k;
     if (!listed) reasons += "\n  " + k + ": not a kernel of this backend on this device";
   }
-  detail::fail("dot_attention", "no forced kernel can run this call (forced: ", force.describe(), "; ",
-               params.describe(), "):", reasons, "\nForce 'auto' or 'reference', or change the call.");
+  // Only forcing leaves dot_attention's own call without a kernel (the
+  // reference path always can run it); blocks and gradients outside
+  // autograd have no reference path.
+  if (force.automatic)
+    detail::fail(kernel_use_op(use), "no kernel of backend '", backend, "' on ",
+                 params.device == DeviceType::cpu ? "cpu" : "cuda", " can ", use_words(use), " (", params.describe(),
+                 "):", reasons, "\nChange the call or its backend.");
+  detail::fail(kernel_use_op(use), "no forced kernel can ", use_words(use), " (forced: ", force.describe(), "; ",
+               params.describe(), "):", reasons,
+               use == KernelUse::run ? "\nForce 'auto' or 'reference', or change the call."
+                                     : "\nForce 'auto' or a kernel that can, or change the call.");
 }
 
 // The cached decision for (backend, params); `candidates()` gives the
 // candidates only on a miss, so a hit costs one lookup.
 template <class Candidates>
-Decision cached_decision(const std::string& backend, const AttentionParams& params, const Candidates& candidates) {
+Decision cached_decision(const std::string& backend, const AttentionParams& params, KernelUse use,
+                         const Candidates& candidates) {
   Cache& c = cache();
-  Key key{backend, params};
+  Key key{backend, params, use};
   {
     ++c.lookups;
     std::lock_guard lock(c.mu);
     if (auto it = c.decisions.find(key); it != c.decisions.end()) return it->second;
   }
-  Decision d = decide(params, candidates());  // gates run outside the lock; may throw
+  Decision d = decide(backend, params, candidates(), use);  // gates run outside the lock; may throw
   std::lock_guard lock(c.mu);
   auto [it, inserted] = c.decisions.emplace(std::move(key), d);
   if (inserted) {
@@ -143,16 +168,48 @@ Decision cached_decision(const std::string& backend, const AttentionParams& para
 
 Decision select_kernel(const std::string& backend, const AttentionParams& params,
                        const std::vector<KernelCandidate>& candidates) {
-  return cached_decision(backend, params, [&] { return candidates; });
+  return cached_decision(backend, params, KernelUse::run, [&] { return candidates; });
 }
 
-Decision select_kernel(const std::string& backend, const AttentionParams& params, const KernelTable& table) {
-  return cached_decision(backend, params, [&] {
+Decision select_kernel(const std::string& backend, const AttentionParams& params, const KernelTable& table,
+                       KernelUse use) {
+  return cached_decision(backend, params, use, [&] {
     std::vector<KernelCandidate> on_device;
-    for (const KernelEntry& e : table)
-      if (e.device == params.device) on_device.push_back({e.name, e.gate});
+    for (const KernelEntry& e : table) {
+      if (e.device != params.device) continue;
+      if (GateResult serves = e.serves(use); !serves.ok)
+        on_device.push_back({e.name, [why = std::move(serves)](const AttentionParams&) { return why; }});
+      else
+        on_device.push_back({e.name, e.gate});
+    }
     return on_device;
   });
+}
+
+const char* kernel_use_op(KernelUse use) {
+  switch (use) {
+    case KernelUse::run: return "dot_attention";
+    case KernelUse::block: return "dot_attention_block";
+    case KernelUse::backward: return "dot_attention_backward";
+    case KernelUse::block_backward: return "dot_attention_block_backward";
+  }
+  return "?";
+}
+
+GateResult KernelEntry::serves(KernelUse use) const {
+  switch (use) {
+    case KernelUse::run: return GateResult::pass();
+    case KernelUse::block:
+      if (block) return GateResult::pass();
+      return GateResult::fail("gives no lse (each row's log-sum-exp), by which the blocks of a longer attention "
+                              "merge; dimattn's own kernels give it");
+    case KernelUse::backward:
+    case KernelUse::block_backward:
+      if (backward) return GateResult::pass();
+      return GateResult::fail("has no backward pass of its own outside autograd, which dot_attention_backward and "
+                              "the gradients of blocks need; dimattn's own kernels have one");
+  }
+  return GateResult::fail("?");
 }
 
 SelectionStats selection_stats() {

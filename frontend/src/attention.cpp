@@ -59,11 +59,8 @@ void validate(const Tensor& query, const Tensor& keys, const Tensor& values, con
 
 }  // namespace
 
-Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& o,
-                         std::optional<uint64_t> dropout_seed) {
+Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& o) {
   validate(query, keys, values, o);
-  DIMATTN_CHECK(!o.context_parallel, kOp, "context_parallel is taken by dot_attention alone; explain_attention, the ",
-                "blocks and dot_attention_backward run on one process (leave it unset)");
   Tensor q = query, k = keys, v = values;
 
   // Rule 5: axis in the query means self-attention; relabel the kv side.
@@ -192,7 +189,7 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
                      .causal_offset = causal_offset,
                      .dropout = dropout_on ? o.att_dropout : 0.0,
                      .dropout_broadcast = o.att_dropout_broadcast,
-                     .dropout_seed = !dropout_on ? 0 : dropout_seed ? *dropout_seed : next_random_seed(),
+                     .dropout_seed = !dropout_on ? 0 : o.dropout_seed ? *o.dropout_seed : next_random_seed(),
                      .dropout_offset = 0,
                      .dropout_q_position = o.positions ? o.positions->query : 0,
                      .dropout_kv_position = o.positions ? o.positions->kv : 0,
@@ -208,7 +205,6 @@ Decision explain_attention(const Tensor& query, const Tensor& keys, const Tensor
 }
 
 Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& o) {
-  if (o.context_parallel) return context_parallel_attention(query, keys, values, o);
   // Not a structured binding: clang 14 (the fuzz build) cannot capture one in a lambda.
   const Prepared prepared = prepare(query, keys, values, o);
   const AttentionCall& call = prepared.call;
@@ -233,7 +229,7 @@ Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& valu
     // T = 0). It runs the reference path, which every backend has and which
     // keeps autograd connected; selection still runs first, so that forcing
     // a kernel that cannot take the call fails as it would for any size.
-    query.backend().plan_attention(call);
+    query.backend().plan_attention(call, KernelUse::run);
     Tensor out = restore(reference_attention(call).output);
     if (TraceScope::active())
       TraceScope::record({kReferenceKernel, out, std::nullopt, std::nullopt, q.shape(), k.shape(), v.shape()});
@@ -244,7 +240,7 @@ Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& valu
   // The plan is made once per call: what the backend derived to decide is
   // what it runs.
   Backend& be = query.backend();
-  const AttentionPlanPtr plan = be.plan_attention(call);
+  const AttentionPlanPtr plan = be.plan_attention(call, KernelUse::run);
   const std::string& kernel = plan->decision.kernel;
   Tensor out = restore(kernel == kReferenceKernel ? reference_attention(call).output : be.run_attention(call, *plan));
   if (TraceScope::active())

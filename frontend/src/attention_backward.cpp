@@ -24,10 +24,9 @@ Tensor to_input_dims(const Tensor& g, const Tensor& like, const AttentionCall& c
 
 // The one backward of dot_attention_backward and dot_attention_block_backward.
 AttentionGrads backward(const char* op, const Tensor& query, const Tensor& keys, const Tensor& values,
-                        const AttentionOptions& opts, const AttentionBlock* merged, const Tensor& grad_output,
-                        std::optional<uint64_t> dropout_seed = std::nullopt) {
+                        const AttentionOptions& opts, const AttentionBlock* merged, const Tensor& grad_output) {
   // Not a structured binding: clang 14 (the fuzz build) cannot capture one in a lambda.
-  const Prepared prepared = prepare(query, keys, values, opts, dropout_seed);
+  const Prepared prepared = prepare(query, keys, values, opts);
   const AttentionCall& c = prepared.call;
   const bool dummy = prepared.dummy;
   common_backend(op, {&query, &grad_output});
@@ -57,24 +56,13 @@ AttentionGrads dot_attention_backward(const Tensor& query, const Tensor& keys, c
 AttentionGrads dot_attention_block_backward(const Tensor& query, const Tensor& keys, const Tensor& values,
                                             const AttentionOptions& opts, const AttentionBlock& merged,
                                             const Tensor& grad_output) {
-  return attention_block_backward(query, keys, values, opts, merged, grad_output, std::nullopt);
-}
-
-AttentionGrads detail::attention_block_backward(const Tensor& query, const Tensor& keys, const Tensor& values,
-                                                const AttentionOptions& opts, const AttentionBlock& merged,
-                                                const Tensor& grad_output, std::optional<uint64_t> dropout_seed) {
-  return backward("dot_attention_block_backward", query, keys, values, opts, &merged, grad_output, dropout_seed);
+  return backward("dot_attention_block_backward", query, keys, values, opts, &merged, grad_output);
 }
 
 AttentionBlock dot_attention_block(const Tensor& query, const Tensor& keys, const Tensor& values,
                                    const AttentionOptions& opts) {
-  return attention_block(query, keys, values, opts, std::nullopt);
-}
-
-AttentionBlock detail::attention_block(const Tensor& query, const Tensor& keys, const Tensor& values,
-                                       const AttentionOptions& opts, std::optional<uint64_t> dropout_seed) {
   const char* op = "dot_attention_block";
-  const auto [c, dummy] = prepare(query, keys, values, opts, dropout_seed);
+  const auto [c, dummy] = prepare(query, keys, values, opts);
   DIMATTN_CHECK(!c.variants.sinks, op, "blocks of a longer attention cannot have sinks (each block's lse would count them)");
   AttentionBlockResult r = query.backend().attention_block(c);
   if (dummy) return {squeeze(r.output, c.query_spatial), squeeze(r.lse, c.query_spatial)};

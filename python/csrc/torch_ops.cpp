@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "dimattn/attention.h"
+#include "dimattn/context_parallel.h"
 #include "dimattn/error.h"
 #include "dimattn/forcing.h"
 #include "dimattn/run_context.h"
@@ -319,6 +320,12 @@ struct Call {
   DimTable table;
   AttentionOptions opts;
   std::optional<Tensor> q, k, v;
+  std::optional<ContextParallel> cp;  // with cp_group
+
+  // dot_attention, or context_parallel_attention with cp_group.
+  Tensor attend() const {
+    return cp ? context_parallel_attention(*q, *k, *v, opts, *cp) : dot_attention(*q, *k, *v, opts);
+  }
 };
 
 Call make_call(const OpArgs& a) {
@@ -343,7 +350,7 @@ Call make_call(const OpArgs& a) {
     AttentionVariants::for_each_field(o.variants, [&](const char* name, auto& field) { read_field(v, name, field, named); });
   }
   if (const auto group = opt_string(a[CpArg::group])) {
-    ContextParallel& cp = o.context_parallel.emplace();
+    ContextParallel& cp = c.cp.emplace();
     cp.group = *group;
     const std::string sharding = opt_string(a[CpArg::sharding]).value_or("contiguous"),
                       strategy = opt_string(a[CpArg::strategy]).value_or("ring");
@@ -399,8 +406,7 @@ at::Tensor in_order(const Tensor& x, const Names& names, const DimTable& t, cons
 at::Tensor run(const OpArgs& a) {
   const Call c = make_call(a);
   const RunScope scope(a);
-  const Tensor out = dot_attention(*c.q, *c.k, *c.v, c.opts);
-  return in_order(out, c.plan->out_names, c.table, "the output", a);
+  return in_order(c.attend(), c.plan->out_names, c.table, "the output", a);
 }
 
 // The learnable tensors of a call (AttentionVariants::learnable), in field

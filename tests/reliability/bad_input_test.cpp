@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "dimattn/attention.h"
+#include "dimattn/context_parallel.h"
 #include "dimattn/ext/backend.h"
 #include "dimattn/forcing.h"
 #include "dimattn/ext/backend.h"
@@ -91,9 +92,10 @@ struct Ex {
 
 struct ErrorCase {
   std::function<void(const Ex&)> run;
-  // "" always runs; "two_backends", "cuda", "torch": skipped when the build lacks them;
-  // "cuda_flash": skipped when no built backend's kernel table has cuda_flash
-  // (forcing knows the kernels of the built backends only).
+  // "" always runs; "two_backends", "cuda": skipped when the build lacks them;
+  // a kernel's name ("cuda_flash", "aten_math"): skipped when no built
+  // backend's kernel table has it (forcing knows the kernels of the built
+  // backends only).
   std::string needs;
 };
 
@@ -331,25 +333,26 @@ const std::map<std::string, ErrorCase>& error_cases() {
         }}},
       {"context_parallel_unknown_group",
        {[](const Ex& e) {
-          dot_attention(e.q, e.q, e.q, {.key_dim = e.feat, .axis = e.time, .context_parallel = ContextParallel{"nope"}});
+          context_parallel_attention(e.q, e.q, e.q, {.key_dim = e.feat, .axis = e.time}, ContextParallel{"nope"});
         }}},
       {"context_parallel_cross_attention",
+       {[](const Ex& e) { context_parallel_attention(e.q, e.k, e.v, e.opts(), ContextParallel{"0"}); }}},
+      {"context_parallel_position_not_axis",
        {[](const Ex& e) {
-          AttentionOptions o = e.opts();
-          o.context_parallel = ContextParallel{"0"};
-          dot_attention(e.q, e.k, e.v, o);
+          context_parallel_attention(e.q, e.q, e.q, {.key_dim = e.feat, .axis = e.time, .query_position_dim = e.batch},
+                                     ContextParallel{"0"});
         }}},
       {"context_parallel_with_mask",
        {[](const Ex& e) {
-          dot_attention(e.q, e.q, e.q,
-                        {.key_dim = e.feat,
-                         .axis = e.time,
-                         .variants = {.mask = compare(e.lens({1, 2}), Compare::gt, 0.0)},
-                         .context_parallel = ContextParallel{"0"}});
+          context_parallel_attention(
+              e.q, e.q, e.q,
+              {.key_dim = e.feat, .axis = e.time, .variants = {.mask = compare(e.lens({1, 2}), Compare::gt, 0.0)}},
+              ContextParallel{"0"});
         }}},
-      {"context_parallel_explain",
+      {"context_parallel_lengths_not_integer",
        {[](const Ex& e) {
-          explain_attention(e.q, e.q, e.q, {.key_dim = e.feat, .axis = e.time, .context_parallel = ContextParallel{"0"}});
+          context_parallel_attention(e.q, e.q, e.q, {.key_dim = e.feat, .axis = e.time},
+                                     ContextParallel{.group = "0", .lengths = e.lens({3, 2}, DType::float32)});
         }}},
       {"causal_offset_not_integer",
        {[](const Ex& e) {
@@ -385,6 +388,20 @@ const std::map<std::string, ErrorCase>& error_cases() {
           dot_attention(e.q, e.k, e.v, e.opts());
         },
         "cuda_flash"}},
+      {"block_forced_reference",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.query_position_dim = e.time;
+          ForceKernels force("reference");
+          dot_attention_block(e.q, e.k, e.v, o);
+        }}},
+      {"backward_forced_aten_math",
+       {[](const Ex& e) {
+          const Tensor dout = zeros({e.batch, e.time, e.vfeat}, e.f32);
+          ForceKernels force("aten_math");
+          dot_attention_backward(e.q, e.k, e.v, e.opts(), dout);
+        },
+        "aten_math"}},
       {"forced_unknown_kernel", {[](const Ex&) { ForceKernels force("flash"); }}},
       {"capturing_trace_with_forced_kernel",
        {[](const Ex& e) {
@@ -415,10 +432,10 @@ TEST_P(Errors, MessageBeginsAsDocumented) {
   const ErrorCase& c = error_cases().at(id);
   if (c.needs == "two_backends" && backend_names().size() < 2) GTEST_SKIP() << "needs two backends";
   if (c.needs == "cuda" && !get_backend(be).supports(kCUDA)) GTEST_SKIP() << "needs CUDA";
-  if (c.needs == "cuda_flash") {
+  if (!c.needs.empty() && c.needs != "two_backends" && c.needs != "cuda") {
     const std::vector<std::string> known = all_kernel_names();
-    if (std::find(known.begin(), known.end(), "cuda_flash") == known.end())
-      GTEST_SKIP() << "no built backend has cuda_flash (built without the torch backend)";
+    if (std::find(known.begin(), known.end(), c.needs) == known.end())
+      GTEST_SKIP() << "no built backend has " << c.needs << " (built without the torch backend)";
   }
   const std::string want = doc_message("Errors", id);
   ASSERT_FALSE(want.empty()) << "docs/errors.md has no row `" << id << "`";
