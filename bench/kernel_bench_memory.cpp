@@ -41,10 +41,7 @@ int memory_child(const Options& o) {
     const bool per_head = child == "ours-bias-htk";
     bias = at::randn(per_head ? std::vector<int64_t>{H, T, T} : std::vector<int64_t>{T, T}) * 0.1;
     for (int64_t h = 0; h < H; ++h) bias_offsets[static_cast<size_t>(h)] = per_head ? h * T * T : 0;
-    pr.p.bias = bias.data_ptr();
-    pr.p.bias_offsets = bias_offsets.data();
-    pr.p.bias_row_stride = T;
-    pr.p.bias_col_stride = 1;
+    pr.p.score.bias = {bias.data_ptr(), bias_offsets.data(), T, 1};
   }
   malloc_trim(0);
   {

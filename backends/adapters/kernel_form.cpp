@@ -165,22 +165,17 @@ void flash_params(FlashParams& pr, const AttentionCall& c, const FlashLayout& l,
   p.dropout_q_position = c.dropout_q_position;
   p.dropout_kv_position = c.dropout_kv_position;
   if (const std::optional<AttentionWindow>& w = c.variants.window) p.bounds = {w->left.value_or(-1), w->right.value_or(-1)};
-  p.softcap = c.variants.softcap.value_or(0.0);
+  p.score.softcap = c.variants.softcap.value_or(0.0);
   const int64_t H = l.Hkv * l.G;
-  auto per_head = [&](const Tensor& t, std::vector<double>& out) { out = host_values(t, per_head_dims(c)); };
-  if (c.variants.alibi_slopes) {
-    per_head(*c.variants.alibi_slopes, pr.slopes);
-    p.alibi_slopes = pr.slopes.data();
-    p.alibi_batch_stride = H;
-    p.alibi_head_stride = 1;
-  }
+  auto per_head = [&](const Tensor& t, std::vector<double>& out) {
+    out = host_values(t, per_head_dims(c));
+    return kernels::HeadValues{out.data(), H, 1};
+  };
+  if (c.variants.alibi_slopes) p.score.alibi = per_head(*c.variants.alibi_slopes, pr.slopes);
   if (c.variants.sinks) {
-    per_head(*c.variants.sinks, pr.sinks);
-    p.sinks = pr.sinks.data();
-    p.sinks_batch_stride = H;
-    p.sinks_head_stride = 1;
+    p.score.sinks = per_head(*c.variants.sinks, pr.sinks);
     pr.dsinks.assign(static_cast<size_t>(l.B * H), 0.0);
-    p.dsinks = pr.dsinks.data();
+    p.score.dsinks = pr.dsinks.data();
   }
 }
 
@@ -208,18 +203,18 @@ std::vector<int64_t> per_head_offsets(const AttentionCall& c, const std::functio
   return offsets;
 }
 
-// Where each (b, h) plane of `t` (over a subset of the call's per-head dims
-// and its query and kv positions) starts, from its strides (`v` is its
-// memory), and its row and column strides.
-void plane_offsets(const AttentionCall& c, const Tensor& t, const HostView& v, std::vector<int64_t>& offsets,
-                   int64_t& row_stride, int64_t& col_stride) {
+// `t` (over a subset of the call's per-head dims and its query and kv
+// positions; `v` is its memory) as the kernels' planes: where each (b, h)
+// plane starts (into `offsets`, which the result points at), from its
+// strides, and its row and column strides.
+kernels::ScorePlanes score_planes(const AttentionCall& c, const Tensor& t, const HostView& v,
+                                  std::vector<int64_t>& offsets) {
   auto stride_of = [&](const Dim& d) {
     const int a = t.axis_of(d);
     return a < 0 || d.extent() == 1 ? int64_t{0} : v.strides[static_cast<size_t>(a)];
   };
   offsets = per_head_offsets(c, stride_of);
-  row_stride = stride_of(c.query_spatial);
-  col_stride = stride_of(c.kv_spatial);
+  return {v.data, offsets.data(), stride_of(c.query_spatial), stride_of(c.kv_spatial)};
 }
 
 }  // namespace
@@ -232,17 +227,11 @@ ScoreOperands score_operands(Backend& be, const AttentionCall& c, FlashParams& p
     const DType acc = accumulation_dtype(c);
     s.bias = c.variants.bias->dtype() == acc ? c.variants.bias->raw() : be.cast(c.variants.bias->raw(), acc);
     if (dense_bias) s.bias = be.contiguous(s.bias);
-    const HostView v = mem(s.bias);
-    plane_offsets(c, *c.variants.bias, v, pr.bias_offsets, p.bias_row_stride, p.bias_col_stride);
-    p.bias = v.data;
-    p.bias_offsets = pr.bias_offsets.data();
+    p.score.bias = score_planes(c, *c.variants.bias, mem(s.bias), pr.bias_offsets);
   }
   if (c.variants.mask) {
     s.mask = c.variants.mask->raw();
-    const HostView v = mem(s.mask);
-    plane_offsets(c, *c.variants.mask, v, pr.mask_offsets, p.mask_row_stride, p.mask_col_stride);
-    p.mask = static_cast<const uint8_t*>(v.data);
-    p.mask_offsets = pr.mask_offsets.data();
+    p.score.mask = score_planes(c, *c.variants.mask, mem(s.mask), pr.mask_offsets);
   }
   return s;
 }
@@ -254,9 +243,9 @@ RawPtr bias_gradient_buffer(Backend& be, FlashParams& pr, const AttentionCall& c
   for (const Dim& d : c.variants.bias->dims()) shape.push_back(d.extent()), n *= d.extent();
   RawPtr dbias = be.full(shape, 0.0, accumulation_dtype(c), device);
   // Laid out as the contiguous bias of score_operands: its offsets and strides hold.
-  pr.p.dbias = mem(dbias).data;
-  const kernels::AttentionKernelParams& p = pr.p;
-  pr.p.dbias_shared = n < p.batch * p.heads * p.seqlen_q * p.seqlen_k;
+  kernels::AttentionKernelParams& p = pr.p;
+  p.score.dbias = mem(dbias).data;
+  p.score.dbias_shared = n < p.batch * p.heads * p.seqlen_q * p.seqlen_k;
   return dbias;
 }
 

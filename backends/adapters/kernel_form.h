@@ -130,7 +130,7 @@ struct ScoreOperands {
 ScoreOperands score_operands(Backend& be, const AttentionCall& c, FlashParams& pr, const MemoryView& mem,
                              bool dense_bias = false);
 // d(bias) for the kernel to write: zeros laid out as score_operands' dense bias,
-// on `device`; p.dbias points at it (and p.dbias_shared says whether bias
+// on `device`; p.score.dbias points at it (and dbias_shared says whether bias
 // elements are shared by several (b, h, i, j)). pre: score_operands ran.
 RawPtr bias_gradient_buffer(Backend& be, FlashParams& pr, const AttentionCall& c, const MemoryView& mem,
                             Device device);

@@ -72,13 +72,14 @@ std::vector<at::Tensor> to_device_arrays(detail::FlashParams& pr, c10::Device de
   };
   upload(pr.kv_len, pr.p.kv_lengths, at::kLong);
   upload(pr.offset, pr.p.causal_offset, at::kLong);
-  upload(pr.slopes, pr.p.alibi_slopes, at::kDouble);
-  upload(pr.sinks, pr.p.sinks, at::kDouble);
-  upload(pr.bias_offsets, pr.p.bias_offsets, at::kLong);
-  upload(pr.mask_offsets, pr.p.mask_offsets, at::kLong);
-  if (pr.p.dsinks) {
+  kernels::ScoreParams& score = pr.p.score;
+  upload(pr.slopes, score.alibi.data, at::kDouble);
+  upload(pr.sinks, score.sinks.data, at::kDouble);
+  upload(pr.bias_offsets, score.bias.offsets, at::kLong);
+  upload(pr.mask_offsets, score.mask.offsets, at::kLong);
+  if (score.dsinks) {
     keep.push_back(empty_on({static_cast<int64_t>(pr.dsinks.size())}, at::kDouble, device));
-    pr.p.dsinks = keep.back().mutable_data_ptr<double>();
+    score.dsinks = keep.back().mutable_data_ptr<double>();
   }
   return keep;
 }

@@ -130,49 +130,98 @@ DIMATTN_HD EntryMask entry_mask(const int64_t* q_lengths, const int64_t* kv_leng
 }
 
 // ---------------------------------------------------------------------------
-// Scores: soft-capping, bias, ALiBi and the boolean mask, in the log2 units the kernels use
-// (x = s * log2(e)); the order of AttentionKernelParams.
+// Scores: soft-capping, bias, ALiBi and the boolean mask, and the sink logit.
+// The kernels carry them as one value (ScoreParams: AttentionKernelParams::score,
+// the CUDA kernel's DeviceParams::score) and read it only through score_mod_of
+// and sink_log2_of below, in the log2 units the kernels use (x = s * log2(e)),
+// in the order of AttentionKernelParams.
+
+inline constexpr double kScoreLog2e = 1.4426950408889634;
+
+// One float64 value per (batch entry b, head h) at data[b * batch_stride +
+// h * head_stride] (a stride of 0 broadcasts): ALiBi slopes, sink logits.
+struct HeadValues {
+  const double* data = nullptr;  // nullptr = off
+  int64_t batch_stride = 0, head_stride = 0;
+
+  DIMATTN_HD bool on() const { return data != nullptr; }
+  DIMATTN_HD double at(int64_t b, int64_t h) const { return data[b * batch_stride + h * head_stride]; }
+};
+
+// A score-sized tensor over any subset of a call's dims, never expanded to
+// [batch, heads, seqlen_q, seqlen_k]: the plane of flat index bh = b * heads + h
+// starts at element offsets[bh] of data, and element (i, j) of a plane is
+// + i * row_stride + j * col_stride (a stride or offset repeats where the
+// tensor is broadcast).
+struct ScorePlanes {
+  const void* data = nullptr;        // nullptr = off
+  const int64_t* offsets = nullptr;  // [batch * heads]
+  int64_t row_stride = 0, col_stride = 0;
+
+  DIMATTN_HD bool on() const { return data != nullptr; }
+  template <class T>
+  DIMATTN_HD const T* plane(int64_t bh) const {
+    return static_cast<const T*>(data) + offsets[bh];
+  }
+};
+
+// The score variants of a call and the gradients the backward pass writes
+// for the learnable ones (attention_params.h says what each means).
+struct ScoreParams {
+  double softcap = 0;  // s becomes softcap * tanh(s / softcap); 0 = off
+  HeadValues alibi;    // slopes: s(i, j) -= slope(b, h) * |i + offset - j|
+  HeadValues sinks;    // logits joining each row's softmax denominator
+  ScorePlanes bias;    // additive, in the accumulation type
+  ScorePlanes mask;    // bytes, nonzero = may attend
+  // Backward outputs: d(sink) per (b, h) ([batch, heads] dense, float64),
+  // and d(bias) laid out as `bias` (its offsets and strides, accumulation
+  // type), zeroed by the caller; dbias_shared: some of its elements receive
+  // several (b, h, i, j), which kernels then add atomically.
+  double* dsinks = nullptr;
+  void* dbias = nullptr;
+  bool dbias_shared = false;
+
+  DIMATTN_HD bool capped() const { return softcap > 0; }
+  // d(bias) of plane bh, nullptr when not asked for.
+  template <class F>
+  DIMATTN_HD F* dbias_plane(int64_t bh) const {
+    return dbias ? static_cast<F*>(dbias) + bias.offsets[bh] : nullptr;
+  }
+};
 
 DIMATTN_HD float tanh_of(float x) { return ::tanhf(x); }
 DIMATTN_HD double tanh_of(double x) { return ::tanh(x); }
 
-// F: the kernel's accumulation type (float, or double for float64).
-// The bias and mask pointers are those of one (b, h) plane
-// (AttentionKernelParams::bias, mask); the bias is in natural units.
+// The score variants of one (b, h), in log2 units. F: the kernel's
+// accumulation type (float, or double for float64).
 template <class F>
 struct ScoreMod {
   F cap = 0;    // softcap * log2(e); 0 = off
   F slope = 0;  // ALiBi slope * log2(e) of this (b, h); 0 = off
   int64_t offset = 0;
-  const F* bias = nullptr;
+  const F* bias = nullptr;  // this (b, h)'s plane, natural units
   int64_t bias_row = 0, bias_col = 0;
-  const uint8_t* mask = nullptr;
+  const uint8_t* mask = nullptr;  // this (b, h)'s plane
   int64_t mask_row = 0, mask_col = 0;
 
   DIMATTN_HD bool on() const { return cap > 0 || slope != 0 || bias != nullptr || mask != nullptr; }
+  DIMATTN_HD bool capped() const { return cap > 0; }
   // Only a bias read along rows with unit stride: a row is one vector add
   // (the CPU kernel's fast case; apply() gives the same values).
   DIMATTN_HD bool bias_row_only() const {
     return cap == 0 && slope == 0 && mask == nullptr && bias != nullptr && bias_col == 1;
   }
-  // Points at plane `plane` (flat b * heads + h) of a bias and a mask laid
-  // out as AttentionKernelParams says; a null tensor stays off.
-  DIMATTN_HD void set_planes(int64_t plane, const F* b, const int64_t* b_offsets, int64_t b_row, int64_t b_col,
-                             const uint8_t* m, const int64_t* m_offsets, int64_t m_row, int64_t m_col) {
-    if (b) bias = b + b_offsets[plane], bias_row = b_row, bias_col = b_col;
-    if (m) mask = m + m_offsets[plane], mask_row = m_row, mask_col = m_col;
-  }
   // The modified score of raw x at (i, j), -inf where the mask forbids it;
-  // t receives tanh(x / cap) (for the backward pass: d(capped)/dx =
-  // 1 - t^2), 0 without soft-capping. pre: (i, j) is inside the call
-  // (the bias and mask are read there).
+  // t receives tanh(x / cap) (for the backward pass: dcapped(t)), 0 without
+  // soft-capping. pre: (i, j) is inside the call (the bias and mask are read
+  // there).
   DIMATTN_HD F apply(F x, int64_t i, int64_t j, F& t) const {
     t = 0;
     if (cap > 0) {
       t = tanh_of(x / cap);
       x = cap * t;
     }
-    if (bias != nullptr) x += static_cast<F>(1.4426950408889634) * bias[i * bias_row + j * bias_col];
+    if (bias != nullptr) x += static_cast<F>(kScoreLog2e) * bias[i * bias_row + j * bias_col];
     if (slope != 0) {
       const int64_t d = i + offset - j;
       x -= slope * static_cast<F>(d < 0 ? -d : d);
@@ -180,7 +229,32 @@ struct ScoreMod {
     if (mask != nullptr && mask[i * mask_row + j * mask_col] == 0) x = -static_cast<F>(INFINITY);
     return x;
   }
+  // d(capped score) / d(raw score) at an element whose apply() gave t:
+  // 1 - t^2 (1 without soft-capping, where t = 0). The backward passes
+  // multiply dS by it.
+  DIMATTN_HD F dcapped(F t) const { return F(1) - t * t; }
 };
+
+// The score variants of (b, h) of a call with `heads` query heads, whose
+// batch entry's mask is m (its causal offset is ALiBi's diagonal).
+template <class F>
+DIMATTN_HD ScoreMod<F> score_mod_of(const ScoreParams& s, const EntryMask& m, int64_t b, int64_t h, int64_t heads) {
+  ScoreMod<F> mod;
+  mod.cap = static_cast<F>(s.softcap * kScoreLog2e);
+  if (s.alibi.on()) mod.slope = static_cast<F>(s.alibi.at(b, h) * kScoreLog2e);
+  mod.offset = m.offset;
+  const int64_t bh = b * heads + h;
+  if (s.bias.on()) mod.bias = s.bias.plane<F>(bh), mod.bias_row = s.bias.row_stride, mod.bias_col = s.bias.col_stride;
+  if (s.mask.on())
+    mod.mask = s.mask.plane<uint8_t>(bh), mod.mask_row = s.mask.row_stride, mod.mask_col = s.mask.col_stride;
+  return mod;
+}
+
+// The sink logit of (b, h) in log2 units, or -inf without sinks.
+template <class F>
+DIMATTN_HD F sink_log2_of(const ScoreParams& s, int64_t b, int64_t h) {
+  return s.sinks.on() ? static_cast<F>(s.sinks.at(b, h) * kScoreLog2e) : -static_cast<F>(INFINITY);
+}
 
 // ---------------------------------------------------------------------------
 // Dropout: the keep rule and its keying.

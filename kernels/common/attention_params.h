@@ -17,9 +17,8 @@
 // Masking: query row i of batch entry b attends kv position j iff
 //   j < kv_len[b]  and  (!causal or j <= i + causal_offset[b]),
 // and rows i >= q_len[b] are padding. A row that attends nothing gets out = 0
-// and lse = -inf (never NaN), matching the reference path's contract.
-//
-// and a boolean mask (the `mask` field) may forbid more elements.
+// and lse = -inf (never NaN), matching the reference path's contract. A
+// window (`bounds`) and a boolean mask (`score.mask`) may forbid more elements.
 //
 // Dropout: the keep decision of element (b, h, i, j) is
 //   dropout_uniform(seed, rng_offset, b * heads + h, qp + i, kp + j) >= dropout_p
@@ -159,50 +158,29 @@ struct AttentionKernelParams {
   // a negative bound is no bound on that side (causal bounds the right side
   // by itself).
   RowBounds bounds;
-  // Logit soft-capping: s becomes softcap * tanh(s / softcap). 0 = off.
-  double softcap = 0.0;
-  // ALiBi: s(i, j) -= slope(b, h) * |i + offset - j|, slope(b, h) =
-  // alibi_slopes[b * alibi_batch_stride + h * alibi_head_stride] (float64,
-  // so that float64 calls keep their precision; a stride of 0 broadcasts).
-  // nullptr = off.
-  const double* alibi_slopes = nullptr;
-  int64_t alibi_batch_stride = 0, alibi_head_stride = 0;
-  // Attention sinks: the logit sink(b, h) = sinks[b * sinks_batch_stride +
-  // h * sinks_head_stride] (float64) joins every row's softmax denominator
-  // and adds no value; lse includes it. nullptr = off. The backward pass
-  // writes d(sink) per (b, h) into dsinks ([batch, heads] dense, float64).
-  const double* sinks = nullptr;
-  int64_t sinks_batch_stride = 0, sinks_head_stride = 0;
-  double* dsinks = nullptr;
-  // Additive bias (after ALiBi) and boolean mask, each over any subset of a
-  // call's dims and never expanded to [batch, heads, seqlen_q, seqlen_k]:
-  // the plane of (b, h) starts at element bias_offsets[b * heads + h] of
-  // `bias`, element (i, j) of a plane is + i * bias_row_stride +
-  // j * bias_col_stride; a stride or offset repeats where the bias is
-  // broadcast. The bias is in the accumulation type (float64 for float64
-  // calls, else float32). mask: bytes, nonzero = may attend, indexed the
-  // same way with its own offsets and strides; combined with every other
-  // mask. nullptr = off.
-  const void* bias = nullptr;
-  const int64_t* bias_offsets = nullptr;
-  int64_t bias_row_stride = 0, bias_col_stride = 0;
-  const uint8_t* mask = nullptr;
-  const int64_t* mask_offsets = nullptr;
-  int64_t mask_row_stride = 0, mask_col_stride = 0;
-  // d(bias), written by the backward pass when not null (the forward pass ignores it): laid out as `bias`
-  // (same offsets and strides, accumulation type), zeroed by the caller;
-  // every (b, h, i, j) adds its gradient to its bias element, so broadcast
-  // dims are summed. dbias_shared: some elements receive several (b, h, i, j)
-  // (a stride or offset repeats), which kernels then add atomically.
-  void* dbias = nullptr;
-  bool dbias_shared = false;
+  // Soft-capping, ALiBi, sinks, bias and mask (attention_mask.h's
+  // ScoreParams, carried whole and read through score_mod_of and
+  // sink_log2_of):
+  // - softcap: s becomes softcap * tanh(s / softcap). 0 = off.
+  // - alibi: s(i, j) -= slope(b, h) * |i + offset - j| with slope(b, h) =
+  //   alibi.at(b, h) (float64, so that float64 calls keep their precision).
+  // - sinks: the logit sinks.at(b, h) (float64) joins every row's softmax
+  //   denominator and adds no value; lse includes it. The backward pass
+  //   writes d(sink) per (b, h) into dsinks ([batch, heads] dense, float64).
+  // - bias (after ALiBi), in the accumulation type (float64 for float64
+  //   calls, else float32), and mask (bytes, nonzero = may attend; combined
+  //   with every other mask), each over any subset of a call's dims as
+  //   ScorePlanes lay them out: never expanded.
+  // - dbias: d(bias), written by the backward pass when not null (the
+  //   forward pass ignores it), laid out as `bias` (same offsets and
+  //   strides, accumulation type), zeroed by the caller; every (b, h, i, j)
+  //   adds its gradient to its bias element, so broadcast dims are summed;
+  //   dbias_shared when some elements receive several (b, h, i, j), which
+  //   kernels then add atomically.
+  // Every pointer nullptr = off.
+  ScoreParams score;
 
   bool has_dropout() const { return dropout_p > 0.0; }
-  bool has_softcap() const { return softcap > 0.0; }
-  // Whether scores need more than scaling (soft-capping or ALiBi).
-  bool modifies_scores() const {
-    return has_softcap() || alibi_slopes != nullptr || bias != nullptr || mask != nullptr;
-  }
   int64_t group_size() const { return heads / kv_heads; }  // query heads per kv head
 
   // Everything a caller can get wrong in the fields above, without reading
@@ -278,18 +256,18 @@ inline std::string AttentionKernelParams::validate(bool backward, ElementTypeSet
   if (!(dropout_p >= 0.0 && dropout_p <= 1.0))
     return op + "dropout_p must be in [0, 1], got " + std::to_string(dropout_p);
   if (!std::isfinite(scale)) return op + "scale must be finite, got " + std::to_string(scale);
-  if (!(softcap >= 0.0) || !std::isfinite(softcap))
-    return op + "softcap must be finite and >= 0 (0 = off), got " + std::to_string(softcap);
-  if (backward && sinks != nullptr && batch * heads > 0 && dsinks == nullptr)
+  if (!(score.softcap >= 0.0) || !std::isfinite(score.softcap))
+    return op + "softcap must be finite and >= 0 (0 = off), got " + std::to_string(score.softcap);
+  if (backward && score.sinks.on() && batch * heads > 0 && score.dsinks == nullptr)
     return op + "sinks need dsinks ([batch, heads] float64) in the backward pass";
-  if (alibi_batch_stride < 0 || alibi_head_stride < 0 || sinks_batch_stride < 0 || sinks_head_stride < 0)
-    return op + "alibi_slopes and sinks need strides >= 0";
-  if (bias_row_stride < 0 || bias_col_stride < 0 || mask_row_stride < 0 || mask_col_stride < 0)
-    return op + "bias and mask need strides >= 0";
+  for (const HeadValues* x : {&score.alibi, &score.sinks})
+    if (x->batch_stride < 0 || x->head_stride < 0) return op + "alibi slopes and sinks need strides >= 0";
+  for (const ScorePlanes* x : {&score.bias, &score.mask})
+    if (x->row_stride < 0 || x->col_stride < 0) return op + "bias and mask need strides >= 0";
   if (batch * heads * seqlen_q * seqlen_k > 0) {
-    if (bias != nullptr && bias_offsets == nullptr) return op + "bias needs bias_offsets ([batch * heads])";
-    if (mask != nullptr && mask_offsets == nullptr) return op + "mask needs mask_offsets ([batch * heads])";
-    if (dbias != nullptr && bias == nullptr) return op + "dbias is set but bias is not";
+    if (score.bias.on() && score.bias.offsets == nullptr) return op + "bias needs offsets ([batch * heads])";
+    if (score.mask.on() && score.mask.offsets == nullptr) return op + "mask needs offsets ([batch * heads])";
+    if (score.dbias != nullptr && !score.bias.on()) return op + "dbias is set but bias is not";
   }
 
   struct T {

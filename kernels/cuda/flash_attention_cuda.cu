@@ -70,23 +70,7 @@ DeviceParams device_params(const AttentionKernelParams& p) {
   d.rule = dropout_rule(p.dropout_p);  // the rule of every path
   d.keep_scale = static_cast<float>(d.rule.keep_scale);
   d.bounds = p.bounds;
-  d.cap_log2 = static_cast<float>(p.softcap * 1.4426950408889634);
-  d.alibi_slopes = p.alibi_slopes;
-  d.alibi_batch = p.alibi_batch_stride;
-  d.alibi_head = p.alibi_head_stride;
-  d.sinks = p.sinks;
-  d.sinks_batch = p.sinks_batch_stride;
-  d.sinks_head = p.sinks_head_stride;
-  d.dsinks = p.dsinks;
-  d.bias = static_cast<const float*>(p.bias);
-  d.bias_offsets = p.bias_offsets;
-  d.bias_row = p.bias_row_stride;
-  d.bias_col = p.bias_col_stride;
-  d.mask = p.mask;
-  d.mask_offsets = p.mask_offsets;
-  d.mask_row = p.mask_row_stride;
-  d.mask_col = p.mask_col_stride;
-  d.dbias = static_cast<float*>(p.dbias);
+  d.score = p.score;
   return d;
 }
 
@@ -112,8 +96,8 @@ void backward(const DeviceParams& d, Stream stream) {
   if (rows > 0) {
     check_cuda(cuda_flash::zero_async(d.dq_accum, static_cast<size_t>(rows) * D * sizeof(float), stream),
                "zeroing the dq accumulator");
-    if (d.sinks)
-      check_cuda(cuda_flash::zero_async(d.dsinks, static_cast<size_t>(d.batch) * d.heads * sizeof(double), stream),
+    if (d.score.sinks.on())
+      check_cuda(cuda_flash::zero_async(d.score.dsinks, static_cast<size_t>(d.batch) * d.heads * sizeof(double), stream),
                  "zeroing dsinks");
     const dim3 grid(static_cast<unsigned>((rows + cuda_flash::kWarps - 1) / cuda_flash::kWarps));
     check_cuda(launch(cuda_flash::row_dot_kernel<T, D>, grid, dim3(kThreads), 0, stream, d),

@@ -73,24 +73,12 @@ struct DeviceParams {
   uint32_t q_position, kv_position;  // attention_params.h's dropout_q/kv_position
   DropoutRule rule;  // common/attention_mask.h's keep rule
   float keep_scale;  // rule.keep_scale in float32
-  // Variants (attention_params.h): positional bounds (the window), the soft
-  // cap in log2 units (0 = off), ALiBi slopes and sink logits per (b, h).
+  // Variants (attention_params.h), as AttentionKernelParams carries them:
+  // positional bounds (the window) and the score variants (the bias in
+  // float32; dsinks zeroed before the backward kernels; d(bias) zeroed by
+  // the caller and added to atomically).
   RowBounds bounds;
-  float cap_log2;
-  const double* alibi_slopes;
-  int64_t alibi_batch, alibi_head;
-  const double* sinks;
-  int64_t sinks_batch, sinks_head;
-  double* dsinks;  // [batch, heads], zeroed before the backward kernels
-  // Bias (float32) and mask planes per (b, h) (attention_params.h); d(bias)
-  // laid out as the bias, zeroed by the caller, added to atomically.
-  const float* bias;
-  const int64_t* bias_offsets;
-  int64_t bias_row, bias_col;
-  const uint8_t* mask;
-  const int64_t* mask_offsets;
-  int64_t mask_row, mask_col;
-  float* dbias;
+  ScoreParams score;
 };
 
 // 64-bit min without relying on which overloads CUDA's headers declare.
@@ -99,24 +87,6 @@ __host__ __device__ constexpr int64_t min64(int64_t a, int64_t b) { return a < b
 // The mask of batch entry b (common/attention_mask.h).
 __device__ inline EntryMask entry_mask_of(const DeviceParams& p, int b) {
   return entry_mask(p.q_lengths, p.kv_lengths, p.causal_offset, p.causal, p.seqlen_q, p.seqlen_k, b, p.bounds);
-}
-
-// Soft-capping, bias, ALiBi and mask of (b, h) (common/attention_mask.h), in log2 units.
-__device__ inline ScoreMod<float> score_mod_of(const DeviceParams& p, const EntryMask& m, int b, int h) {
-  constexpr float kLog2e = 1.4426950408889634f;
-  ScoreMod<float> mod;
-  mod.cap = p.cap_log2;
-  mod.slope = p.alibi_slopes ? static_cast<float>(p.alibi_slopes[b * p.alibi_batch + h * p.alibi_head]) * kLog2e : 0.f;
-  mod.offset = m.offset;
-  mod.set_planes(int64_t{b} * p.heads + h, p.bias, p.bias_offsets, p.bias_row, p.bias_col, p.mask, p.mask_offsets,
-                 p.mask_row, p.mask_col);
-  return mod;
-}
-
-// The sink logit of (b, h) in log2 units, or -inf without sinks.
-__device__ inline float sink_log2_of(const DeviceParams& p, int b, int h) {
-  constexpr float kLog2e = 1.4426950408889634f;
-  return p.sinks ? static_cast<float>(p.sinks[b * p.sinks_batch + h * p.sinks_head]) * kLog2e : -INFINITY;
 }
 
 // --- dropout: attention_mask.h's keying and keep rule ---
@@ -254,7 +224,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
   const int mb = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int64_t m0 = int64_t{mb} * BM;
   const EntryMask mask = entry_mask_of(p, b);
-  const ScoreMod<float> mod = score_mod_of(p, mask, b, h);
+  const ScoreMod<float> mod = score_mod_of<float>(p.score, mask, b, h, p.heads);
   const int hk = h / p.group;
   const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
 
@@ -279,9 +249,10 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
   for (int t = 0; t < D / 8; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
   // A sink logit starts each row's softmax: its weight 2^(sink - max) is in
   // the sum (held by lane tig 0 of the quad, whose sums are added at the end).
-  const float sink = sink_log2_of(p, b, h);
+  const float sink = sink_log2_of<float>(p.score, b, h);
   float row_max[2] = {sink, sink};
-  float row_sum[2] = {p.sinks && tig == 0 ? 1.f : 0.f, p.sinks && tig == 0 ? 1.f : 0.f};
+  const float sink_weight = p.score.sinks.on() && tig == 0 ? 1.f : 0.f;
+  float row_sum[2] = {sink_weight, sink_weight};
 
   if (n_blocks > nb_begin) {
     const int64_t nb0 = int64_t{nb_begin} * BN;
@@ -438,10 +409,10 @@ __global__ void __launch_bounds__(kThreads) row_dot_kernel(const DeviceParams p)
   if (lane == 0) {
     p.dsum[row] = acc;
     // d(sink) = -sum_i P_sink(i) D_i, P_sink(i) = exp(sink - lse_i).
-    if (p.sinks && i < q_len) {
+    if (p.score.sinks.on() && i < q_len) {
       const float lse = p.lse[b * p.lse_batch + h * p.lse_head + i];
-      const float sink = static_cast<float>(p.sinks[b * p.sinks_batch + h * p.sinks_head]);
-      atomic_add(p.dsinks + bh, static_cast<double>(-expf(sink - lse) * acc));
+      const float sink = static_cast<float>(p.score.sinks.at(b, h));
+      atomic_add(p.score.dsinks + bh, static_cast<double>(-expf(sink - lse) * acc));
     }
   }
 }
@@ -490,9 +461,9 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
     for (int gi = 0; gi < p.group; ++gi) {
       const int h = hk * p.group + gi;
       const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
-      const ScoreMod<float> mod = score_mod_of(p, mask, b, h);
+      const ScoreMod<float> mod = score_mod_of<float>(p.score, mask, b, h, p.heads);
       // d(bias) of this head's plane: dS itself (bias adds to the score).
-      float* const dbias = p.dbias ? p.dbias + p.bias_offsets[int64_t{b} * p.heads + h] : nullptr;
+      float* const dbias = p.score.dbias_plane<float>(int64_t{b} * p.heads + h);
       const T* qh = static_cast<const T*>(p.q) + b * p.qs.batch + h * p.qs.head;
       const T* doh = static_cast<const T*>(p.dout) + b * p.dos.batch + h * p.dos.head;
       const float* lseh = p.lse + b * p.lse_batch + h * p.lse_head;
@@ -540,7 +511,7 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
         // capped, biased and ALiBi-shifted score (-inf where the mask forbids); K = 1 where dropout keeps, else 0;
         // Z = K / (1 - p). X = P K (the weights that made O, before the
         // rescale, which dV gets at the end), dP = dPd Z, dS = P (dP - D_i)
-        // (d(bias)) times the cap's derivative 1 - tanh^2. st becomes X, dpt dS.
+        // (d(bias)) times the cap's derivative (ScoreMod::dcapped). st becomes X, dpt dS.
 #pragma unroll
         for (int t = 0; t < BM / 8; ++t)
 #pragma unroll
@@ -560,8 +531,8 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
             }
             st[t][e] = w * k;
             const float ds = w * (dpt[t][e] * z - ld_shared(sDsum + c));
-            if (dbias && allowed) atomic_add(dbias + i * p.bias_row + j * p.bias_col, ds);
-            dpt[t][e] = ds * (1.f - th * th);
+            if (dbias && allowed) atomic_add(dbias + i * mod.bias_row + j * mod.bias_col, ds);
+            dpt[t][e] = ds * mod.dcapped(th);
           }
 
         // dV += X^T dO and dK += dS^T Q (scaled at the end): A from the

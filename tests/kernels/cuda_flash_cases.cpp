@@ -352,10 +352,10 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   p.dropout_q_position = c.q_position;
   p.dropout_kv_position = c.kv_position;
   p.bounds = {c.window_left, c.window_right};
-  p.softcap = c.softcap;
-  p.bias_row_stride = p.mask_row_stride = Tk;
-  p.bias_col_stride = p.mask_col_stride = 1;
-  p.dbias_shared = B > 1;
+  p.score.softcap = c.softcap;
+  p.score.bias.row_stride = p.score.mask.row_stride = Tk;
+  p.score.bias.col_stride = p.score.mask.col_stride = 1;
+  p.score.dbias_shared = B > 1;
 
   // cpu_flash on the same bits.
   AttentionKernelParams cp = p;
@@ -371,11 +371,14 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   cp.kv_lengths = c.kv_lens.empty() ? nullptr : c.kv_lens.data();
   cp.causal_offset = c.offsets.empty() ? nullptr : c.offsets.data();
   std::vector<double> cpu_dsinks(B * H, NAN);
-  if (c.alibi) cp.alibi_slopes = slopes.data(), cp.alibi_head_stride = 1;
-  if (c.sinks) cp.sinks = sinks.data(), cp.sinks_head_stride = 1, cp.dsinks = cpu_dsinks.data();
+  if (c.alibi) cp.score.alibi = {slopes.data(), 0, 1};
+  if (c.sinks) cp.score.sinks = {sinks.data(), 0, 1}, cp.score.dsinks = cpu_dsinks.data();
   std::vector<float> cpu_dbias(bias.size(), 0.f);
-  if (c.bias) cp.bias = bias.data(), cp.bias_offsets = bias_offsets.data(), cp.dbias = cpu_dbias.data();
-  if (c.mask) cp.mask = mask.data(), cp.mask_offsets = mask_offsets.data();
+  if (c.bias) {
+    cp.score.bias.data = bias.data(), cp.score.bias.offsets = bias_offsets.data();
+    cp.score.dbias = cpu_dbias.data();
+  }
+  if (c.mask) cp.score.mask.data = mask.data(), cp.score.mask.offsets = mask_offsets.data();
   ThreadPool pool(2);
   flash_attention_forward_cpu(cp, pool.as_parallel_for());
   flash_attention_backward_cpu(cp, pool.as_parallel_for());
@@ -401,9 +404,9 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   put(offsets, c.offsets.data());
   put(slopes_d, slopes.data());
   put(sinks_d, sinks.data());
-  if (c.alibi) p.alibi_slopes = static_cast<const double*>(slopes_d.p), p.alibi_head_stride = 1;
-  if (c.sinks) p.sinks = static_cast<const double*>(sinks_d.p), p.sinks_head_stride = 1;
-  p.dsinks = static_cast<double*>(dsinks_d.p);
+  if (c.alibi) p.score.alibi = {static_cast<const double*>(slopes_d.p), 0, 1};
+  if (c.sinks) p.score.sinks = {static_cast<const double*>(sinks_d.p), 0, 1};
+  p.score.dsinks = static_cast<double*>(dsinks_d.p);
   put(bias_d, bias.data());
   const std::vector<float> zeros(bias.size(), 0.f);
   put(dbias_d, zeros.data());  // the kernel adds to it
@@ -411,12 +414,12 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   put(bias_offsets_d, bias_offsets.data());
   put(mask_offsets_d, mask_offsets.data());
   if (c.bias) {
-    p.bias = bias_d.p, p.dbias = dbias_d.p;
-    p.bias_offsets = static_cast<const int64_t*>(bias_offsets_d.p);
+    p.score.bias.data = bias_d.p, p.score.dbias = dbias_d.p;
+    p.score.bias.offsets = static_cast<const int64_t*>(bias_offsets_d.p);
   }
   if (c.mask) {
-    p.mask = static_cast<const uint8_t*>(mask_d.p);
-    p.mask_offsets = static_cast<const int64_t*>(mask_offsets_d.p);
+    p.score.mask.data = mask_d.p;
+    p.score.mask.offsets = static_cast<const int64_t*>(mask_offsets_d.p);
   }
   auto* base = static_cast<uint16_t*>(q.p);
   p.q = base ? base + qv.offset : nullptr;

@@ -47,7 +47,7 @@ struct BackwardScratch {
                               plan.chunks == 1 ? p.seqlen_q * dp : 0, plan.chunk_len * dp, plan.chunk_len * dvp,
                               p.head_dim * ldk, plan.bk * round_up(dp, 2 * Simd<A>::W), p.head_dim_v * ldk,
                               plan.bq * ldk, plan.bq * ldk, plan.bq * ldk, plan.bq * ldk,
-                              p.has_softcap() ? plan.bq * ldk : 0})) {
+                              p.score.capped() ? plan.bq * ldk : 0})) {
     qf = arena.take(p.seqlen_q * dp);
     dof = arena.take(p.seqlen_q * dvp);
     lse2 = arena.take(p.seqlen_q);
@@ -62,7 +62,7 @@ struct BackwardScratch {
     dpt = arena.take(plan.bq * ldk);
     x = arena.take(plan.bq * ldk);
     z = arena.take(plan.bq * ldk);
-    th = arena.take(p.has_softcap() ? plan.bq * ldk : 0);  // tanh of the capped scores
+    th = arena.take(p.score.capped() ? plan.bq * ldk : 0);  // tanh of the capped scores
     nv.resize(static_cast<size_t>(plan.bq));
     kbeg.resize(static_cast<size_t>(plan.bk));
   }
@@ -101,9 +101,9 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
   for (int64_t g = 0; g < G; ++g) {
     const int64_t h = hk * G + g;
     const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
-    const ScoreMod<A> mod = score_mod_of<A>(p, mask, b, h);
+    const ScoreMod<A> mod = score_mod_of<A>(p.score, mask, b, h, p.heads);
     // d(bias) of this head's plane: dS itself (bias adds to the score).
-    A* const dbias = p.dbias ? static_cast<A*>(p.dbias) + p.bias_offsets[b * p.heads + h] : nullptr;
+    A* const dbias = p.score.dbias_plane<A>(b * p.heads + h);
     A* dq = share ? share + g * Tq * dp : w.dq;  // indexed by absolute row
     if (share) fill(share + g * Tq * dp, Tq * dp, A(0));
 
@@ -182,7 +182,7 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
               continue;
             }
             if (mod.on()) {  // the forward's scores: scaled, capped, bias, ALiBi, mask
-              A* th = p.has_softcap() ? w.th + r * ldk : nullptr;
+              A* th = mod.capped() ? w.th + r * ldk : nullptr;
               A t;
               if (mod.bias_row_only()) {
                 const A* bias = mod.bias + (i0 + r) * mod.bias_row + j0;
@@ -230,18 +230,18 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
             for (int64_t c = 0; c < npr; c += W) vstore(drow + c, vload<V>(prow + c) * (vload<V>(drow + c) - dvec));
             fill(drow + npr, np - npr, A(0));
             if (dbias) {
-              A* at = dbias + (i0 + r) * p.bias_row_stride + j0 * p.bias_col_stride;
+              A* at = dbias + (i0 + r) * mod.bias_row + j0 * mod.bias_col;
               for (int64_t c = lb(r); c < nv; ++c) {
-                A& e = at[c * p.bias_col_stride];
-                if (p.dbias_shared)
+                A& e = at[c * mod.bias_col];
+                if (p.score.dbias_shared)
                   std::atomic_ref<A>(e).fetch_add(drow[c], std::memory_order_relaxed);
                 else
                   e += drow[c];
               }
             }
-            if (p.has_softcap()) {  // through the cap: d(capped)/dx = 1 - tanh^2
+            if (mod.capped()) {  // through the cap
               const A* th = w.th + r * ldk;
-              for (int64_t c = lb(r); c < nv; ++c) drow[c] *= A(1) - th[c] * th[c];
+              for (int64_t c = lb(r); c < nv; ++c) drow[c] *= mod.dcapped(th[c]);
             }
           }
           if (drop.on) x = w.x;
@@ -292,7 +292,7 @@ void backward(const AttentionKernelParams& p, const ParallelFor& parallel_for) {
   const int64_t dp = round_up(std::max<int64_t>(D, 1), Simd<A>::W);
   const int64_t groups = p.batch * p.kv_heads;
   if (groups == 0) return;
-  if (p.sinks) {
+  if (p.score.sinks.on()) {
     // d(sink) = -sum_i P_sink(i) D_i with P_sink(i) = exp(sink - lse_i) and
     // D_i = rowsum(dO o O), per (b, h).
     parallel_for(0, p.batch * p.heads, [&](int64_t t0, int64_t t1) {
@@ -302,7 +302,7 @@ void backward(const AttentionKernelParams& p, const ParallelFor& parallel_for) {
         const S* o = static_cast<const S*>(p.out) + b * p.out_strides.batch + h * p.out_strides.head;
         const S* dout = static_cast<const S*>(p.dout) + b * p.dout_strides.batch + h * p.dout_strides.head;
         const A* lse = static_cast<const A*>(p.lse) + b * p.lse_batch_stride + h * p.lse_head_stride;
-        const A sink = static_cast<A>(p.sinks[b * p.sinks_batch_stride + h * p.sinks_head_stride]);
+        const A sink = static_cast<A>(p.score.sinks.at(b, h));
         A acc = 0;
         for (int64_t i = 0; i < std::min(mask.q_len, Tq); ++i) {
           A di = 0;
@@ -310,7 +310,7 @@ void backward(const AttentionKernelParams& p, const ParallelFor& parallel_for) {
             di += to_acc(dout[i * p.dout_strides.row + c]) * to_acc(o[i * p.out_strides.row + c]);
           acc -= std::exp(sink - lse[i]) * di;
         }
-        p.dsinks[t] = static_cast<double>(acc);
+        p.score.dsinks[t] = static_cast<double>(acc);
       }
     });
   }

@@ -58,24 +58,3 @@ struct DropoutSpec {
 inline EntryMask entry_mask_of(const AttentionKernelParams& p, int64_t b) {
   return entry_mask(p.q_lengths, p.kv_lengths, p.causal_offset, p.causal, p.seqlen_q, p.seqlen_k, b, p.bounds);
 }
-
-// Soft-capping, bias, ALiBi and mask of (b, h), in log2 units (common/attention_mask.h).
-template <class A>
-ScoreMod<A> score_mod_of(const AttentionKernelParams& p, const EntryMask& m, int64_t b, int64_t h) {
-  constexpr double kLog2e = 1.4426950408889634;
-  ScoreMod<A> mod;
-  mod.cap = static_cast<A>(p.softcap * kLog2e);
-  if (p.alibi_slopes)
-    mod.slope = static_cast<A>(p.alibi_slopes[b * p.alibi_batch_stride + h * p.alibi_head_stride] * kLog2e);
-  mod.offset = m.offset;
-  mod.set_planes(b * p.heads + h, static_cast<const A*>(p.bias), p.bias_offsets, p.bias_row_stride, p.bias_col_stride,
-                 p.mask, p.mask_offsets, p.mask_row_stride, p.mask_col_stride);
-  return mod;
-}
-
-// The sink logit of (b, h) in log2 units, or -inf without sinks.
-template <class A>
-A sink_log2_of(const AttentionKernelParams& p, int64_t b, int64_t h) {
-  if (!p.sinks) return -std::numeric_limits<A>::infinity();
-  return static_cast<A>(p.sinks[b * p.sinks_batch_stride + h * p.sinks_head_stride] * 1.4426950408889634);
-}

@@ -89,7 +89,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
   constexpr A kInf = std::numeric_limits<A>::infinity();
   const int64_t D = p.head_dim, Dv = p.head_dim_v, dvp = w.dvp, ldk = w.ldk;
   const EntryMask mask = entry_mask_of(p, b);
-  const ScoreMod<A> mod = score_mod_of<A>(p, mask, b, h);
+  const ScoreMod<A> mod = score_mod_of<A>(p.score, mask, b, h, p.heads);
   const int64_t hk = h / p.group_size();
   const S* q = static_cast<const S*>(p.q) + b * p.q_strides.batch + h * p.q_strides.head;
   const S* k = static_cast<const S*>(p.k) + b * p.k_strides.batch + hk * p.k_strides.head;
@@ -113,8 +113,8 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
   const A qmul = static_cast<A>(p.scale * 1.4426950408889634);
   pack_rows(q + r0 * qrs, qrs, m, D, w.qs, D, qmul);
   // A sink logit starts each row's softmax: weight 2^(sink - max) in the sum.
-  fill(w.m, m, sink_log2_of<A>(p, b, h));
-  fill(w.l, m, p.sinks ? A(1) : A(0));
+  fill(w.m, m, sink_log2_of<A>(p.score, b, h));
+  fill(w.l, m, p.score.sinks.on() ? A(1) : A(0));
   fill(w.o, m * dvp, A(0));
   const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
 
@@ -175,7 +175,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
         A t;
         if (mod.bias_row_only()) {
           const A* bias = mod.bias + (r0 + r) * mod.bias_row + j0;
-          for (int64_t c = lb; c < nv; ++c) srow[c] += static_cast<A>(1.4426950408889634) * bias[c];
+          for (int64_t c = lb; c < nv; ++c) srow[c] += static_cast<A>(kScoreLog2e) * bias[c];
         } else {
           for (int64_t c = lb; c < nv; ++c) srow[c] = mod.apply(srow[c], r0 + r, j0 + c, t);
         }
