@@ -19,7 +19,8 @@ void validate(const AttentionCase& p) {
 namespace {
 
 // The option of each scalar variant, by its field's kind (AttentionVariants::
-// for_each_field): "--window LEFT:RIGHT", "--softcap X", "--sink-off-by-one".
+// for_each_field): "--window LEFT:RIGHT", "--NAME X" for a number, "--NAME"
+// for a flag (underscores become dashes).
 // Tensor variants are made per case (the options below).
 std::string option_name(const char* field) {
   std::string s = field;

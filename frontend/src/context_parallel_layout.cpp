@@ -96,7 +96,7 @@ ContextLayout agree_layout(Backend& be, ProcessGroup& pg, const ContextParallel&
   l.device = q.device();
   // What each rank sends: its shard length, its seed (rank 0's is used),
   // whether its own checks failed, then what every rank must agree on (from
-  // kAgreed on). float64: the fingerprint holds fractions (a softcap), the
+  // kAgreed on). float64: the fingerprint holds fractions (a variant's number), the
   // seed's halves fit exactly.
   enum : size_t { kLength, kSeedHigh, kSeedLow, kFailed, kAgreed, kKeysPerPosition = kAgreed, kValuesPerPosition };
   std::vector<double> meta{double(q.has(o.axis) ? o.axis.extent() : 0),

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "dimattn/error.h"
 #include "dimattn/internal/check.h"
@@ -61,10 +62,13 @@ std::tuple<Tensor, Tensor, Dim> keep_last(const Tensor& keys, const Tensor& valu
 // per call.
 void check_variants(const char* module, const AttentionVariants& v, bool causal) {
   v.check_values(module, causal);
-  DIMATTN_CHECK(!v.alibi_slopes && !v.sinks && !v.bias && !v.mask, module, "config.variants holds ",
-                v.set().without(VariantSet().set(VariantKind::window).set(VariantKind::softcap)).names(true),
-                " as a tensor, but a module makes its own per call: set config.alibi, config.sinks or ",
-                "config.relative_position instead");
+  std::string tensors;  // the tensor fields set
+  AttentionVariants::for_each_field(v, [&](const char* name, const auto& field) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(field)>, std::optional<Tensor>>)
+      if (field) tensors += (tensors.empty() ? "" : ", ") + std::string(name);
+  });
+  DIMATTN_CHECK(tensors.empty(), module, "config.variants holds the tensor(s) ", tensors, ", but a module makes its ",
+                "own per call: set config.alibi, config.sinks or config.relative_position instead");
 }
 
 // The check of RelativePositionBuckets; `n` = buckets per direction.
@@ -175,6 +179,7 @@ SelfAttention::SelfAttention(const AttentionConfig& c, const char* module, bool 
   if (c.sinks) sinks = init_uniform({heads}, 1, c.seed + 6, c.opts);
   if (c.alibi) alibi_slopes = from_host({heads}, standard_alibi_slopes(c.num_heads), c.opts);
   if (c.relative_position) relative_position_bias.emplace(heads, *c.relative_position, !causal, c.seed + 7, c.opts);
+  variants().check_values(module, causal);  // with the module's own tensors (its sinks and the off-by-one sink)
 }
 
 std::vector<double> standard_alibi_slopes(int64_t num_heads) {
@@ -300,6 +305,9 @@ CrossAttention::CrossAttention(const AttentionConfig& c, Dim enc)
                 " measures the distance between query and key positions, which cross-attention does not relate ",
                 "(decoder vs encoder); leave window, alibi and relative_position unset");
   if (c.sinks) sinks = init_uniform({heads}, 1, c.seed + 6, c.opts);
+  AttentionVariants own = c.variants;
+  own.sinks = sinks;
+  own.check_values("CrossAttention", false);
 }
 
 CrossAttention::State CrossAttention::transform_encoder(const Tensor& encoder, const Dim& axis) const {

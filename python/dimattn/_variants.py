@@ -57,7 +57,7 @@ def _on(value) -> bool:
 
 def _check(v: "Variants") -> None:
     """What the op cannot say itself: the Python types of the fields. Their values
-    (window sides >= 0, softcap > 0, the dims of tensors, their dtypes) are the
+    (window sides >= 0, the range of numbers, the dims of tensors, their dtypes) are the
     C++ library's to check, with its messages."""
     for name, kind in _FIELDS:
         x = getattr(v, name)

@@ -272,6 +272,16 @@ TEST_P(Modules, BadVariantConfigsAreErrors) {
   c.variants.window.reset();
   c.alibi = true;
   expect_error([&] { CrossAttention att(c, Dim("enc_feat", 3)); }, "CrossAttention", {"ALiBi"});
+  // The config carries the scalar variants; tensors are the module's own.
+  c.alibi = false;
+  c.variants.mask = compare(random_uniform({Dim("kv", 4)}, 1, opts()), Compare::ge, 0.5);
+  expect_error([&] { SelfAttention att(c); }, "SelfAttention", {"config.variants holds the tensor(s) mask"});
+  c.variants.mask.reset();
+  c.variants.sink_off_by_one = true;
+  c.sinks = true;
+  expect_error([&] { SelfAttention att(c); }, "SelfAttention", {"sinks and sink_off_by_one are both set"});
+  expect_error([&] { CrossAttention att(c, Dim("enc_feat", 3)); }, "CrossAttention",
+               {"sinks and sink_off_by_one are both set"});
 }
 
 // Feeds x to a causal module in chunks: entry b's k-th chunk is its next

@@ -22,7 +22,7 @@
 //   gives output 0 and weights 0, never NaN.
 // - Dropout acts only while the train flag is on (run_context.h).
 // - Variants (sliding window, soft-capping, ALiBi, sinks, bias, mask) follow a
-//   fixed order (docs/numerics.md): scale -> softcap -> + bias + ALiBi -> masks
+//   fixed order (docs/numerics.md): scale -> soft-capping -> + bias + ALiBi -> masks
 //   (padding, causal, window, mask) -> softmax with sinks -> dropout -> . values.
 #include <cstdint>
 #include <optional>
