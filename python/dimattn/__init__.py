@@ -12,6 +12,7 @@ from ._core import Dim, Error, Tensor
 from ._attention import (AttentionTrace, Decision, Rejection, dot_attention, explain, force, kernel_names, trace,
                          train_flag, train_scope)
 from ._context_parallel import ContextParallel, shard, shard_ranges
+from . import nn
 
 __all__ = ["Dim", "Error", "Tensor", "AttentionTrace", "Decision", "Rejection", "dot_attention", "explain", "force",
            "kernel_names", "trace", "train_flag", "train_scope", "ContextParallel", "shard", "shard_ranges"]
