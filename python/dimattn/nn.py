@@ -482,7 +482,7 @@ class CausalSelfAttention(SelfAttention):
             besides = "in_dim" if axis is None else f"axis {axis!r} and in_dim"
             raise Error(f"[{module}] x {_dims_repr(x.dims)} has the dims {_dims_repr(others)} besides {besides}, "
                         f"but the state is over {_dims_repr(batch)}; make the state with "
-                        f"initial_state({_dims_repr(others)})")
+                        f"initial_state([{', '.join(d.name for d in others)}])")
         return batch
 
     def _append(self, state: State, batch: List[Dim], k: Tensor, v: Tensor, axis: Dim, extent: int):

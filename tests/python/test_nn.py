@@ -492,7 +492,7 @@ def test_bad_states_and_cross_attention_input_are_clear_errors():
     state = m.initial_state([batch])
     with pytest.raises(da.Error, match=r"\[CausalSelfAttention\] x \(batch\[2\], beam\[2\], in\[4\]\) has the dims "
                                        r"\(batch\[2\], beam\[2\]\) besides in_dim, but the state "
-                                       r"is over \(batch\[2\]\); make the state with initial_state"):
+                                       r"is over \(batch\[2\]\); make the state with initial_state\(\[batch, beam\]\)"):
         m.step(da.Tensor(rand(B, 2, IN), [batch, beam, inp]), state)
     with pytest.raises(da.Error, match=r"\[CausalSelfAttention\] state must be a dimattn.nn.State"):
         m.step(da.Tensor(rand(B, IN), [batch, inp]), (state.keys, state.values))
