@@ -218,6 +218,25 @@ class _Fallback(Exception):
     """A call dimattn cannot take; the message is the reason."""
 
 
+# dimattn Dims made for RETURNN dims in recent calls, keyed by the RETURNN Dim's
+# identity and what the Dim was made of (a static extent, or the mask its lengths
+# came from); the entry holds both, so their ids stay unique. Calls over the same
+# dims (the layers of one step, decoding steps) then reach dimattn with the same
+# Dims, whose call encoding dimattn keeps.
+_made: Dict[tuple, tuple] = {}
+_MADE_KEPT = 256
+
+
+def _made_dim(d: RfDim, of, make) -> da.Dim:
+    key = (id(d), of if isinstance(of, int) else id(of))
+    hit = _made.get(key)
+    if hit is None:
+        if len(_made) >= _MADE_KEPT:
+            _made.pop(next(iter(_made)))
+        hit = _made[key] = (d, of, make())
+    return hit[2]
+
+
 class _Call:
     """One call's RETURNN dims as dimattn Dims. RETURNN's equality decides which dims
     are one dim (a dict keyed by RETURNN Dims uses it): two dims RETURNN tells apart
@@ -227,19 +246,25 @@ class _Call:
         self.to_da: Dict[RfDim, da.Dim] = {}
         self.to_rf: Dict[int, RfDim] = {}
 
+    def _add(self, d: RfDim, m: da.Dim) -> da.Dim:
+        self.to_da[d] = m
+        self.to_rf[id(m)] = d
+        return m
+
     def dim(self, d: RfDim, extent: int) -> da.Dim:
         m = self.to_da.get(d)
         if m is None:
-            m = self.to_da[d] = da.Dim(d.name or "dim", extent)
-            self.to_rf[id(m)] = d
-        elif m.size is not None and m.size != extent:
+            return self._add(d, _made_dim(d, extent, lambda: da.Dim(d.name or "dim", extent)))
+        if m.size is not None and m.size != extent:
             raise _Fallback(f"dim {d} has extents {m.size} and {extent}")
         return m
 
-    def dynamic(self, d: RfDim, lengths: da.Tensor) -> da.Dim:
-        m = self.to_da[d] = da.Dim.dynamic(d.name or "dim", lengths)
-        self.to_rf[id(m)] = d
-        return m
+    def dynamic(self, d: RfDim, mask: RfTensor) -> da.Dim:
+        """d with the lengths of RETURNN's mask of it (over its other dims, all mapped)."""
+        def make():
+            lengths = mask.raw_tensor.sum(dim=mask.dims.index(d), dtype=torch.int64)
+            return da.Dim.dynamic(d.name or "dim", da.Tensor(lengths, [self.to_da[e] for e in mask.dims if e != d]))
+        return self._add(d, _made_dim(d, mask.raw_tensor, make))
 
     def tensor(self, x: RfTensor, skip: RfDim) -> None:
         """Maps x's dims but ``skip`` (mapped after the others)."""
@@ -330,29 +355,28 @@ def _prepare(query: RfTensor, key: RfTensor, value: RfTensor, *, att_dropout_bro
         if is_causal and c.to_da[query_spatial_dim].size != extent:
             raise _Fallback("causal with query and kv extents that differ")
     else:
-        axis = c.dynamic(kv_spatial_dim, _lengths(c, kv_spatial_dim, query, key))
+        axis = c.dynamic(kv_spatial_dim, _mask(kv_spatial_dim, query, key))
     kwargs = dict(key_dim=c.to_da[qk_feat_dim], axis=axis, att_dropout=float(att_dropout),
                   att_dropout_broadcast=bool(att_dropout_broadcast), scale=None if scale is None else float(scale),
                   train=train, causal_query_spatial_dim=c.to_da[query_spatial_dim] if is_causal else None)
     return c, c.named(query), c.named(key), c.named(value), kwargs
 
 
-def _lengths(c: _Call, axis: RfDim, query: RfTensor, key: RfTensor) -> da.Tensor:
-    """The axis's lengths as RETURNN's own mask sees them (Dim.get_mask: padded
-    entries of a lengths tensor mean what the installed RETURNN means), over the
-    lengths' dims."""
+def _mask(axis: RfDim, query: RfTensor, key: RfTensor) -> RfTensor:
+    """RETURNN's own mask of the axis (Dim.get_mask), from which its lengths are
+    counted: padded entries of a lengths tensor then mean what the installed RETURNN
+    means. Its other dims must be the keys' (or the query's, once dimattn takes
+    per-row kv lengths)."""
     if axis.dyn_size_ext is None or axis.dyn_size_ext.raw_tensor is None:
         raise _Fallback("axis without lengths")
     mask = axis.get_mask(device=key.device)
-    over = [d for d in mask.dims if d != axis]
-    for d in over:
-        if d not in key.dims:
+    for d in mask.dims:
+        if d != axis and d not in key.dims:
             if d in query.dims and not _takes_per_row_kv_lengths():
                 raise _Fallback(PER_ROW_KV_LENGTHS)
             if d not in query.dims:
                 raise _Fallback(f"kv lengths over {d}, which no operand has")
-    lengths = mask.raw_tensor.sum(dim=mask.dims.index(axis), dtype=torch.int64)
-    return da.Tensor(lengths, [c.to_da[d] for d in over])
+    return mask
 
 
 def _decision(q: da.Tensor, k: da.Tensor, v: da.Tensor, kwargs: dict) -> da.Decision:

@@ -18,7 +18,7 @@ import torch
 
 import returnn.frontend as rf
 from returnn.config import Config
-from returnn.tensor import Dim, Tensor, single_step_dim
+from returnn.tensor import Dim, Tensor, batch_dim, single_step_dim
 from returnn.torch.frontend import TorchBackend
 from returnn.util.debug import PyTracer
 
@@ -185,7 +185,8 @@ def test_cross_attention(padded):
 
 def test_names_do_not_make_dims_equal():
     """Two RETURNN dims with one name (an encoder "time" attended from a decoder
-    "time") are two dims: cross-attention, not self-attention."""
+    "time") are two dims: cross-attention, not self-attention. The values carry
+    key_dim (keys as values), as in test_self_attention."""
     batch, heads, feat = Dim(B, name="batch"), Dim(H, name="heads"), Dim(D, name="feat")
     dec, enc = dyn("time", [4, 2, 3], [batch]), dyn("time", [6, 5, 1], [batch])
     assert dec != enc
@@ -208,6 +209,18 @@ def test_dims_returnn_treats_as_one_are_one():
     (out,) = run_both(lambda: [rf.dot_attention(q, kv, kv, key_dim=feat, axis=enc)],
                       [q.raw_tensor, kv.raw_tensor], routed=1)
     assert len(out.dims) == 4
+
+
+def test_one_dim_of_changing_extent():
+    """RETURNN's global batch_dim over batches of 3 and then 2 sequences (a last,
+    smaller batch): the same Dim object, another extent."""
+    heads, feat = Dim(H, name="heads"), Dim(D, name="feat")
+    for n, lengths in ((3, [5, 2, 4]), (2, [3, 1])):
+        dr.reset_stats()
+        time = dyn("time", lengths, [batch_dim])
+        x = Tensor("x", [batch_dim, time, heads, feat], "float32",
+                   raw_tensor=torch.randn(n, max(lengths), H, D).requires_grad_())
+        run_both(lambda: [rf.dot_attention(x, x, x, key_dim=feat, axis=time)], [x.raw_tensor], routed=1)
 
 
 def test_beam_dims_in_the_query():
@@ -245,16 +258,6 @@ def test_keys_dims_not_in_the_query():
     (out,) = run_both(lambda: [rf.dot_attention(q, k, v, key_dim=feat, axis=enc)],
                       [q.raw_tensor, k.raw_tensor, v.raw_tensor], routed=1)
     assert out.dims_set == {batch, dec, heads, feat}
-
-
-def test_values_carry_key_dim():
-    batch, heads, feat, time = dims_padded()
-    enc = dyn("enc", [5, 6, 2], [batch])
-    q = rand([batch, heads, time, feat], 19)
-    kv = rand([batch, heads, enc, feat], 20)
-    (out,) = run_both(lambda: [rf.dot_attention(q, kv, kv, key_dim=feat, axis=enc)],
-                      [q.raw_tensor, kv.raw_tensor], routed=1)
-    assert out.dims_set == {batch, heads, time, feat}
 
 
 def test_multi_query_dims():
