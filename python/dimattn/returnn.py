@@ -36,7 +36,7 @@ from returnn.torch.frontend import TorchBackend
 
 import dimattn as da
 
-__all__ = ["enable", "disable", "enabled", "is_enabled", "stats", "reset_stats", "trace", "startup_callback",
+__all__ = ["enable", "disable", "enabled", "is_enabled", "is_strict", "stats", "reset_stats", "trace", "startup_callback",
            "enable_from_config"]
 
 _HOOK = "scaled_dot_product_attention"
@@ -88,6 +88,11 @@ def disable() -> None:
 
 def is_enabled() -> bool:
     return _patch is not None
+
+
+def is_strict() -> bool:
+    """Whether routing is on in strict mode."""
+    return _patch is not None and _patch.strict
 
 
 @contextlib.contextmanager

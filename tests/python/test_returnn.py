@@ -270,12 +270,14 @@ def test_multi_query_dims():
     run_both(lambda: [rf.dot_attention(q, kv, kv, key_dim=feat, axis=enc)], [q.raw_tensor, kv.raw_tensor], routed=1)
 
 
-def test_lengths_over_several_dims():
-    """kv lengths over [batch, chan] (both batch dims of the call)."""
+@pytest.mark.parametrize("chan_in_query", [True, False])
+def test_lengths_over_several_dims(chan_in_query):
+    """kv lengths over [batch, chan]: chan a batch dim of the call, or a keys-only dim
+    (the query broadcast over it)."""
     batch, chan, feat = Dim(B, name="batch"), Dim(2, name="chan"), Dim(D, name="feat")
     enc = dyn("enc", [[5, 1], [3, 4], [2, 2]], [batch, chan])
     dec = Dim(3, name="dec")
-    q = rand([batch, chan, dec, feat], 23)
+    q = rand([batch, chan, dec, feat] if chan_in_query else [batch, dec, feat], 23)
     kv = rand([batch, chan, enc, feat], 24)
     run_both(lambda: [rf.dot_attention(q, kv, kv, key_dim=feat, axis=enc)], [q.raw_tensor, kv.raw_tensor], routed=1)
 
@@ -559,8 +561,8 @@ def test_enable_disable_restore_exactly_what_was_there():
     with dr.enabled():
         assert dr.is_enabled() and TorchBackend.scaled_dot_product_attention.__func__ is not GENERIC
         with dr.enabled(strict=True):
-            pass
-        assert dr.is_enabled()  # the outer scope's routing stays
+            assert dr.is_strict()
+        assert dr.is_enabled() and not dr.is_strict()  # the outer scope's routing stays
     assert not dr.is_enabled() and "scaled_dot_product_attention" not in TorchBackend.__dict__
     assert TorchBackend.scaled_dot_product_attention.__func__ is GENERIC
 
@@ -632,12 +634,12 @@ def test_config_option_and_environment(monkeypatch):
     config = Config()
     config.update({"dimattn_attention": "strict"})
     dr.startup_callback(config=config)
-    assert dr.is_enabled() and dr._patch.strict
+    assert dr.is_strict()
     monkeypatch.setenv("DIMATTN_RETURNN", "0")
     assert not dr.enable_from_config(config) and not dr.is_enabled()
     monkeypatch.setenv("DIMATTN_RETURNN", "1")
     config.update({"dimattn_attention": False})
-    assert dr.enable_from_config(config) and not dr._patch.strict
+    assert dr.enable_from_config(config) and dr.is_enabled() and not dr.is_strict()
     monkeypatch.delenv("DIMATTN_RETURNN")
     assert not dr.enable_from_config(config)
     config.update({"dimattn_attention": "sometimes"})
