@@ -119,10 +119,6 @@ KernelEntry cpu_flash_entry(kernels::ParallelFor (*pool)()) {
   return e;
 }
 
-namespace {
-std::atomic<int> g_threads{0};
-}  // namespace
-
 kernels::ParallelFor default_parallel_for() {
   // One pool per thread count, kept for the process: a call may still be
   // running on a pool when another thread changes the count.
@@ -136,15 +132,3 @@ kernels::ParallelFor default_parallel_for() {
 }
 
 }  // namespace dimattn::detail
-
-namespace dimattn {
-
-void set_cpu_threads(int n) { detail::g_threads = n; }
-
-int cpu_threads() {
-  if (const int n = detail::g_threads; n > 0) return n;
-  if (const char* env = std::getenv("DIMATTN_NUM_THREADS"); env && std::atoi(env) > 0) return std::atoi(env);
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-}
-
-}  // namespace dimattn

@@ -19,12 +19,6 @@ namespace {
 
 constexpr const char* kOp = "dot_attention";
 
-int64_t product(const Dims& dims) {
-  int64_t n = 1;
-  for (const Dim& d : dims) n *= d.extent();
-  return n;
-}
-
 HostView host(Backend& be, const RawPtr& x) {
   std::optional<HostView> v = be.host_view(x);
   DIMATTN_CHECK(v.has_value(), kOp, "backend '", be.name(), "' does not expose host memory for cpu_flash");

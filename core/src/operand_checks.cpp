@@ -16,6 +16,12 @@ Backend& common_backend(const char* op, std::initializer_list<const Tensor*> ope
   return first->backend();
 }
 
+void check_unique(const char* op, const Dims& dims) {
+  for (size_t i = 0; i < dims.size(); ++i)
+    for (size_t j = i + 1; j < dims.size(); ++j)
+      DIMATTN_CHECK(dims[i] != dims[j], op, "dim ", dims[i].repr(), " appears twice in ", repr(dims));
+}
+
 void check_same_dtype(const char* op, std::initializer_list<const Tensor*> operands) {
   const Tensor* first = *operands.begin();
   for (const Tensor* t : operands)

@@ -103,30 +103,30 @@ const char* use_words(KernelUse use) {
   return "?";
 }
 
-Decision decide(const std::string& backend, const AttentionParams& params,
-                const std::vector<KernelCandidate>& candidates, KernelUse use) {
+// The table's entries for params.device in priority order, each tried for
+// `use`: forcing, then whether it serves the use, then its gate.
+Decision decide(const std::string& backend, const AttentionParams& params, const KernelTable& table, KernelUse use) {
   const KernelForce force = parse_kernel_force(params.forced);
   Decision d;
   d.params = params;
-  for (const auto& c : candidates) {
-    if (!force.allows(c.name)) {
-      d.rejected.push_back({c.name, "not among the forced kernels (" + force.describe() + ")"});
+  for (const KernelEntry& e : table) {
+    if (e.device != params.device) continue;
+    if (!force.allows(e.name)) {
+      d.rejected.push_back({e.name, "not among the forced kernels (" + force.describe() + ")"});
       continue;
     }
-    GateResult g = c.gate(params);
+    GateResult g = e.serves(use);
+    if (g.ok) g = e.gate(params);
     if (g.ok) {
-      d.kernel = c.name;
+      d.kernel = e.name;
       return d;
     }
-    d.rejected.push_back({c.name, g.reason});
+    d.rejected.push_back({e.name, g.reason});
   }
   std::string reasons;
   for (const auto& r : d.rejected) reasons += "\n  " + r.kernel + ": " + r.reason;
-  for (const auto& k : force.kernels) {
-    bool listed = false;
-    for (const auto& c : candidates) listed = listed || c.name == k;
-    if (!listed) reasons += "\n  " + k + ": not a kernel of this backend on this device";
-  }
+  for (const auto& k : force.kernels)
+    if (!find_kernel(table, params.device, k)) reasons += "\n  " + k + ": not a kernel of this backend on this device";
   // Only forcing leaves dot_attention's own call without a kernel (the
   // reference path always can run it); blocks and gradients outside
   // autograd have no reference path.
@@ -140,11 +140,12 @@ Decision decide(const std::string& backend, const AttentionParams& params,
                                      : "\nForce 'auto' or a kernel that can, or change the call.");
 }
 
-// The cached decision for (backend, params); `candidates()` gives the
-// candidates only on a miss, so a hit costs one lookup.
-template <class Candidates>
-Decision cached_decision(const std::string& backend, const AttentionParams& params, KernelUse use,
-                         const Candidates& candidates) {
+}  // namespace
+
+// Cached per (backend, params, use): the gates run only on a miss, so a hit
+// costs one lookup.
+Decision select_kernel(const std::string& backend, const AttentionParams& params, const KernelTable& table,
+                       KernelUse use) {
   Cache& c = cache();
   Key key{backend, params, use};
   {
@@ -152,7 +153,7 @@ Decision cached_decision(const std::string& backend, const AttentionParams& para
     std::lock_guard lock(c.mu);
     if (auto it = c.decisions.find(key); it != c.decisions.end()) return it->second;
   }
-  Decision d = decide(backend, params, candidates(), use);  // gates run outside the lock; may throw
+  Decision d = decide(backend, params, table, use);  // gates run outside the lock; may throw
   std::lock_guard lock(c.mu);
   auto [it, inserted] = c.decisions.emplace(std::move(key), d);
   if (inserted) {
@@ -162,28 +163,6 @@ Decision cached_decision(const std::string& backend, const AttentionParams& para
                    params.describe().c_str());
   }
   return it->second;
-}
-
-}  // namespace
-
-Decision select_kernel(const std::string& backend, const AttentionParams& params,
-                       const std::vector<KernelCandidate>& candidates) {
-  return cached_decision(backend, params, KernelUse::run, [&] { return candidates; });
-}
-
-Decision select_kernel(const std::string& backend, const AttentionParams& params, const KernelTable& table,
-                       KernelUse use) {
-  return cached_decision(backend, params, use, [&] {
-    std::vector<KernelCandidate> on_device;
-    for (const KernelEntry& e : table) {
-      if (e.device != params.device) continue;
-      if (GateResult serves = e.serves(use); !serves.ok)
-        on_device.push_back({e.name, [why = std::move(serves)](const AttentionParams&) { return why; }});
-      else
-        on_device.push_back({e.name, e.gate});
-    }
-    return on_device;
-  });
 }
 
 const char* kernel_use_op(KernelUse use) {

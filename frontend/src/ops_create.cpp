@@ -54,18 +54,6 @@ Backend& backend_for(const TensorOptions& opts, const char* op) {
   return b;
 }
 
-Shape extents(const Dims& dims) {
-  Shape s;
-  for (const Dim& d : dims) s.push_back(d.extent());
-  return s;
-}
-
-void check_unique(const char* op, const Dims& dims) {
-  for (size_t i = 0; i < dims.size(); ++i)
-    for (size_t j = i + 1; j < dims.size(); ++j)
-      DIMATTN_CHECK(dims[i] != dims[j], op, "dim ", dims[i].repr(), " appears twice in ", repr(dims));
-}
-
 }  // namespace
 
 namespace {

@@ -66,11 +66,6 @@ struct GateResult {
   static GateResult fail(std::string why) { return {false, std::move(why)}; }
 };
 
-struct KernelCandidate {
-  std::string name;
-  std::function<GateResult(const AttentionParams&)> gate;
-};
-
 // The name of dot_attention's reference path among the kernel names.
 inline constexpr const char* kReferenceKernel = "reference";
 
@@ -85,13 +80,6 @@ struct Decision {
   AttentionParams params;           // what it was decided for
   std::string explain() const;      // multi-line, for logs, `dimattn explain` and errors
 };
-
-// Decides among `candidates` (priority order; the last must be "reference",
-// whose gate always passes). Honours params.forced: a forced list keeps only
-// its kernels; when none of them can run, throws dimattn::Error listing the
-// reasons. Cached per (backend, params).
-Decision select_kernel(const std::string& backend, const AttentionParams& params,
-                       const std::vector<KernelCandidate>& candidates);
 
 struct SelectionStats {
   uint64_t lookups = 0;        // select_kernel calls

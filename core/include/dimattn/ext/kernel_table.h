@@ -76,10 +76,13 @@ const KernelEntry* find_kernel(const KernelTable& table, DeviceType device, cons
 // The reference path's entry, last on every device of every table.
 KernelEntry reference_entry(DeviceType device);
 
-// select_kernel (selection.h) over the table's entries for params.device,
-// for `use`: an entry that does not serve it is rejected with the reason, so
-// that forcing such a kernel (or "reference") for a block is an error that
-// says why, never a silent fallback. Cached per (backend, params, use).
+// Decides among the table's entries for params.device (priority order; the
+// last is "reference", whose gate always passes), for `use`: the first that
+// forcing allows (params.forced), that serves the use and whose gate passes;
+// the rest before it are rejected with the reason. When none can, throws
+// dimattn::Error listing the reasons, so that forcing a kernel that cannot
+// run (or "reference" for a block) is an error that says why, never a
+// silent fallback. Cached per (backend, params, use).
 Decision select_kernel(const std::string& backend, const AttentionParams& params, const KernelTable& table,
                        KernelUse use);
 

@@ -15,6 +15,9 @@ namespace dimattn::detail {
 // The backend all operands live on. Throws, naming both, when they differ in
 // backend or device.
 Backend& common_backend(const char* op, std::initializer_list<const Tensor*> operands);
+// Throws, naming it, when a dim appears twice in dims (else it would surface
+// as a backend's permute error).
+void check_unique(const char* op, const Dims& dims);
 // Throws unless every operand has the same dtype.
 void check_same_dtype(const char* op, std::initializer_list<const Tensor*> operands);
 
