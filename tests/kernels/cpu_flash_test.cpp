@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -418,9 +419,14 @@ double lse_at(const KernelRun& r, const Case& c, int64_t i) {
                                        << want(wi[0], wi[1], wi[2], wi[3]);
 }
 
+// Every code path this CPU runs (the ones it lacks are CpuIsaPaths' skips),
+// or only DIMATTN_CPU_ISA's when that caps them.
 std::vector<CpuIsa> isas() {
-  std::vector<CpuIsa> r{CpuIsa::generic};
-  if (cpu_flash_best_isa() == CpuIsa::avx2) r.push_back(CpuIsa::avx2);
+  const char* cap = std::getenv("DIMATTN_CPU_ISA");
+  if (cap != nullptr && *cap != '\0') return {cpu_flash_best_isa()};
+  std::vector<CpuIsa> r;
+  for (CpuIsa isa : {CpuIsa::generic, CpuIsa::avx2, CpuIsa::avx512, CpuIsa::avx512_bf16})
+    if (missing_cpu_flags(isa, cpu_features()).empty()) r.push_back(isa);
   return r;
 }
 
