@@ -36,7 +36,14 @@ KernelEntry cpu_flash_entry() {
           [](Backend& be, const AttentionCall& c, const AttentionPlan& plan) {
             const KernelForm* form = form_in(plan);
             return cpu_flash_attention(be, c, form ? *form : host_kernel_form(be, c), default_parallel_for());
-          }};
+          },
+          cpu_flash_isa};
+}
+
+std::string cpu_flash_isa(const AttentionParams& p) {
+  std::string isa;
+  run_kernel([&] { isa = kernels::cpu_isa_name(kernels::cpu_flash_isa(kernel_element_type(p.dtype))); });
+  return isa;
 }
 
 GateResult cpu_flash_gate(const AttentionParams& p) {

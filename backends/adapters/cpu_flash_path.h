@@ -14,6 +14,11 @@
 namespace dimattn::detail {
 
 GateResult cpu_flash_gate(const AttentionParams& p);
+// The instruction set cpu_flash runs p on (KernelEntry::isa; kernels/cpu/cpu_isa.h):
+// DIMATTN_CPU_ISA's cap or the CPU's best, avx512 for other dtypes than
+// bfloat16 under avx512_bf16. An unknown cap, or one this CPU lacks, is a
+// dimattn::Error.
+std::string cpu_flash_isa(const AttentionParams& p);
 // cpu_flash's kernel-table entry for a backend with no other fast path: runs
 // on dimattn's own CPU pool (default_parallel_for).
 KernelEntry cpu_flash_entry();

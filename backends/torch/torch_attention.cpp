@@ -353,7 +353,7 @@ at::Tensor bias_input(const AttentionCall& c) {
 const KernelTable& TorchBackend::attention_table() const {
   using enum DeviceType;
   static const KernelTable table = {
-      {"cpu_flash", cpu, detail::cpu_flash_gate, {.last_dim_unit_stride = true}, run_cpu_flash},
+      {"cpu_flash", cpu, detail::cpu_flash_gate, {.last_dim_unit_stride = true}, run_cpu_flash, detail::cpu_flash_isa},
       aten_entry("aten_flash_cpu", cpu, gate_flash_cpu, aten_flash_cpu),
       aten_entry("aten_math", cpu, gate_math, aten_math),
       reference_entry(cpu),

@@ -55,7 +55,7 @@ size_t AttentionParamsHash::operator()(const AttentionParams& p) const {
 }
 
 std::string Decision::explain() const {
-  std::string s = "selected " + kernel;
+  std::string s = "selected " + kernel + (isa.empty() ? "" : " (isa " + isa + ")");
   for (const auto& r : rejected) s += "\n  rejected " + r.kernel + ": " + r.reason;
   return s;
 }
@@ -145,12 +145,15 @@ Decision select_kernel(const std::string& backend, const AttentionParams& params
 }
 
 Decision select_kernel(const std::string& backend, const AttentionParams& params, const KernelTable& table) {
-  return cached_decision(backend, params, [&] {
+  Decision d = cached_decision(backend, params, [&] {
     std::vector<KernelCandidate> on_device;
     for (const KernelEntry& e : table)
       if (e.device == params.device) on_device.push_back({e.name, e.gate});
     return on_device;
   });
+  // The chosen entry names its code path; the cached decision is the gates' alone.
+  if (const KernelEntry* e = find_kernel(table, params.device, d.kernel); e && e->isa) d.isa = e->isa(params);
+  return d;
 }
 
 SelectionStats selection_stats() {

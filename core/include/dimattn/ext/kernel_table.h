@@ -28,6 +28,9 @@ struct KernelEntry {
   // Runs the kernel on a call its gate accepted, with the plan that chose
   // it; empty for the reference path, which dot_attention runs itself.
   std::function<Tensor(Backend&, const AttentionCall&, const AttentionPlan&)> run;
+  // The code path the kernel runs for params (Decision::isa); empty for a
+  // kernel with one.
+  std::function<std::string(const AttentionParams&)> isa;
 };
 using KernelTable = std::vector<KernelEntry>;
 
