@@ -9,7 +9,7 @@
 // namespaces differ (no ODR clash, so no AVX code can leak into the baseline
 // path). The includer provides, before opening its namespace: <algorithm>, <atomic>,
 // <cmath>, <cstdint>, <cstdlib>, <cstring>, <limits>, <memory>,
-// <type_traits>, <vector>, philox.h, attention_mask.h, attention_params.h, thread_pool.h and
+// <type_traits>, <utility>, <vector>, philox.h, attention_mask.h, attention_params.h, thread_pool.h and
 // flash_attention_heuristics.h; and in its namespace:
 //   vf, vd, vi      GCC vector types of one width (16 bytes portable, 32 on
 //                   AVX2, 64 on AVX-512): float, double and int32 lanes

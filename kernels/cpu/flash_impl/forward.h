@@ -109,6 +109,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
   // Scores in log2 units: exp(scale * q.k) = 2^(q' . k) with q' = q * scale * log2(e).
   const A qmul = static_cast<A>(p.scale * 1.4426950408889634);
   ops.pack_q(q + r0 * qrs, qrs, m, qmul);
+  const A smul = ops.score_mul();  // what the products' scores are still to be multiplied by
   // A sink logit starts each row's softmax: weight 2^(sink - max) in the sum.
   fill(w.m, m, sink_log2_of<A>(p.score, b, h));
   fill(w.l, m, p.score.sinks.on() ? A(1) : A(0));
@@ -156,35 +157,44 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
       fill(w.z + n, np - n, A(0));
     }
     const int64_t next = !direct && j0 + w.bk < kv_end ? w.ready(j0 / w.bk + 1) : -1;
-    for (int64_t r = 0; r < m; ++r) {
-      if (next >= 0) ops.prefetch_tile(next, r, m);
-      A* srow = w.s + r * ldk;
+    // Row r's weights in srow (its scores on entry), zero up to np past its positions.
+    auto row_weights = [&](int64_t r, A* srow) {
       const int64_t nv = partial ? nvs[r] : n, lb = windowed ? w.lb[r] : 0;
       if (nv <= lb) {  // nothing to attend here: zero weights, state unchanged
         fill(srow, np, A(0));
-        continue;
+        return;
       }
       const int64_t npr = round_up(nv, W);
-      if (mod.on()) {  // scores are q' . k = x (log2 units): cap, bias, ALiBi, mask
+      // x = smul * s (log2 units). The variants are applied to x; without them
+      // smul > 0 goes into the max and the exponentials (a factor <= 0 would
+      // turn the max into a min, and 0 * -inf is NaN).
+      A mul = smul;
+      if (mod.on()) {  // cap, bias, ALiBi, mask
         A t;
         if (mod.bias_row_only()) {
           const A* bias = mod.bias + (r0 + r) * mod.bias_row + j0;
-          for (int64_t c = lb; c < nv; ++c) srow[c] += static_cast<A>(kScoreLog2e) * bias[c];
+          for (int64_t c = lb; c < nv; ++c) srow[c] = srow[c] * mul + static_cast<A>(kScoreLog2e) * bias[c];
         } else {
-          for (int64_t c = lb; c < nv; ++c) srow[c] = mod.apply(srow[c], r0 + r, j0 + c, t);
+          for (int64_t c = lb; c < nv; ++c) srow[c] = mod.apply(srow[c] * mul, r0 + r, j0 + c, t);
         }
+        mul = A(1);
+      } else if (!(mul > A(0))) {
+        scale_row(srow, npr, mul);
+        mul = A(1);
       }
       fill(srow, lb, -kInf);
       fill(srow + nv, npr - nv, -kInf);
-      const A mnew = std::max(w.m[r], row_max(srow, npr));
+      const A mnew = std::max(w.m[r], row_max(srow, npr) * mul);
       // A mask or a -inf bias forbade all of it so far: as above. (row_max
       // skips NaN, which must still reach the output: NaN in, NaN out.)
       if (mnew == -kInf && std::none_of(srow + lb, srow + nv, [](A x) { return x != x; })) {
         fill(srow, np, A(0));
-        continue;
+        return;
       }
-      const A alpha = std::exp2(w.m[r] - mnew);  // 0 on the row's first tile
-      const A sum = exp2_row(srow, npr, A(1), mnew);
+      // 0 on the row's first tile; vexp2 (no library call per row and tile):
+      // exactly 1 when the max is unchanged, exactly 0 from -inf.
+      const A alpha = vexp2(Simd<A>::splat(w.m[r] - mnew))[0];
+      const A sum = exp2_row(srow, npr, mul, mnew);
       fill(srow + npr, np - npr, A(0));  // read by P V up to the row block's longest prefix
       w.l[r] = w.l[r] * alpha + sum;
       if (alpha != A(1)) scale_row(w.o + r * dvp, dvp, alpha);
@@ -197,6 +207,12 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
       } else if (drop.on) {
         mul_rows(srow, w.z, npr);
       }
+    };
+    for (int64_t r = 0; r < m; ++r) {
+      if (next >= 0) ops.prefetch_tile(next, r, m);
+      A* srow = w.s + r * ldk;
+      row_weights(r, srow);
+      ops.weights_ready(r, srow, np);
     }
     ops.add_pv(m, n, w.s, vmat, w.o, dvp, nvs);
   }

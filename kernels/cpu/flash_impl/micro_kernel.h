@@ -152,11 +152,6 @@ void scores_direct(int64_t n, int64_t D, const A* qs, const A* k, int64_t krs, A
   using V = typename Simd<A>::V;
   constexpr int W = Simd<A>::W, KR = M == 1 ? 8 : 12 / M;
   const int64_t dv = D / W * W;
-  auto hsum = [](const V& x) {
-    A r = x[0];
-    for (int l = 1; l < W; ++l) r += x[l];
-    return r;
-  };
   int64_t c = 0;
   auto step = [&](auto kr_tag) {
     constexpr int R = decltype(kr_tag)::value;

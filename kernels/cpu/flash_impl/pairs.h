@@ -178,10 +178,13 @@ struct ForwardOperands<uint16_t, float> {
     pw = reinterpret_cast<uint16_t*>(arena.take(bq * ldk / 2));
   }
 
+  // q as it is: the log2 scale goes on the float32 scores (score_mul), not
+  // into a second rounding of q.
   void pack_q(const uint16_t* src, int64_t rs, int64_t m, float mul) {
     qmul = mul;
     pack_bf16_rows(src, rs, m, D, q, ldq);
   }
+  float score_mul() const { return qmul; }
   void pack_tile(int64_t slot, const uint16_t* k, int64_t krs, const uint16_t* v, int64_t vrs, int64_t n, int64_t Dv) {
     pack_pairs_transposed(k, krs, n, round_up(n, Simd<float>::W), D, kt + slot * kslot);
     pack_pairs_rows(v, vrs, n, Dv, vs + slot * vslot, kPairPanel, (bk + 1) / 2 * kPairPanel);
@@ -193,12 +196,12 @@ struct ForwardOperands<uint16_t, float> {
   void scores(int64_t slot, int64_t m, int64_t np, float* s, const int64_t* nvs) const {
     gemm_set(m, np, ldq / 2, as_pairs(q), ldq / 2, panel_major(kt + slot * kslot, ldq / 2), s, ldk,
              Ragged{nvs, nullptr, nullptr});
-    for (int64_t r = 0; r < m; ++r) scale_row(s + r * ldk, nvs ? round_up(nvs[r], Simd<float>::W) : np, qmul);
   }
   VMat v_tile(int64_t slot) const { return panel_major(vs + slot * vslot, (bk + 1) / 2); }
-  void add_pv(int64_t m, int64_t n, float* w, const VMat& v, float* o, int64_t dvp, const int64_t* nvs) {
-    const int64_t np = round_up(n, Simd<float>::W);
-    round_rows(w, ldk, m, np, pw, ldk);
+  // Each row rounded as soon as it is final, while it is in L1.
+  void weights_ready(int64_t r, const float* w, int64_t np) { round_rows(w, ldk, 1, np, pw + r * ldk, ldk); }
+  void add_pv(int64_t m, int64_t n, float* /*w: rounded in pw*/, const VMat& v, float* o, int64_t dvp,
+              const int64_t* nvs) {
     // (n + 1) / 2 pairs: the tile's v holds no more (w is 0 past n).
     gemm_add(m, dvp, (n + 1) / 2, as_pairs(pw), ldk / 2, v, o, dvp, Ragged{nullptr, nullptr, nvs});
   }

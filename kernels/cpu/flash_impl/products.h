@@ -38,8 +38,10 @@ struct ForwardOperands {
     vs = arena.take(slots * vslot);
   }
 
-  // The block's m query rows (row stride rs) in log2 units: q * mul.
+  // The block's m query rows (row stride rs), and the factor mul that takes
+  // their scores to log2 units: here q * mul is packed (score_mul() = 1).
   void pack_q(const S* src, int64_t rs, int64_t m, A mul) { pack_rows(src, rs, m, D, q, D, mul); }
+  A score_mul() const { return A(1); }
   // n kv positions into tile slot `slot`: k transposed, v rows, zero-padded.
   void pack_tile(int64_t slot, const S* k, int64_t krs, const S* v, int64_t vrs, int64_t n, int64_t Dv) {
     pack_transposed(k, krs, n, round_up(n, Simd<A>::W), D, kt + slot * kslot);
@@ -50,12 +52,14 @@ struct ForwardOperands {
     prefetch_part(kt + slot * kslot, kslot * static_cast<int64_t>(sizeof(A)), part, parts);
     prefetch_part(vs + slot * vslot, vslot * static_cast<int64_t>(sizeof(A)), part, parts);
   }
-  // s[m x np] = the scores of the block against tile slot, in log2 units;
-  // row r is needed up to nvs[r] only (nullptr: all).
+  // s[m x np] = the scores of the block against tile slot (times score_mul():
+  // log2 units); row r is needed up to nvs[r] only (nullptr: all).
   void scores(int64_t slot, int64_t m, int64_t np, A* s, const int64_t* nvs) const {
     gemm_set(m, np, D, q, D, panel_major(kt + slot * kslot, D), s, ldk, Ragged{nvs, nullptr, nullptr});
   }
   VMat v_tile(int64_t slot) const { return panel_major(vs + slot * vslot, bk); }
+  // Row r of the weights is final (w[0, np)), while it is in L1.
+  void weights_ready(int64_t /*r*/, const A* /*w*/, int64_t /*np*/) {}
   // o[m x dvp] += w[m x n] v, row r of w holding weights up to nvs[r] (nullptr:
   // n) and zeros after them up to whole vectors.
   void add_pv(int64_t m, int64_t n, A* w, const VMat& v, A* o, int64_t dvp, const int64_t* nvs) {

@@ -25,6 +25,47 @@ struct Simd<double> {
 };
 static_assert(sizeof(vi) == sizeof(vf) && sizeof(vd) == sizeof(vf), "one vector width per instruction set");
 
+// The lanes of a vector reduced by op in halving steps (log2 W dependent
+// operations instead of a chain of W - 1), in registers: the sum or max of a
+// row's lanes.
+#if defined(__clang__) || __GNUC__ >= 12
+template <class V, size_t... I>
+DIMATTN_INLINE auto pick_lanes(const V& x, std::index_sequence<I...>) {
+  return __builtin_shufflevector(x, x, I...);
+}
+template <size_t Off, size_t... I>
+constexpr auto offset_lanes(std::index_sequence<I...>) {
+  return std::index_sequence<(I + Off)...>{};
+}
+template <class V, class Op>
+DIMATTN_INLINE auto reduce_lanes(const V& x, Op op) {
+  constexpr size_t W = sizeof(V) / sizeof(x[0]);
+  if constexpr (W == 2) {
+    return op(x[0], x[1]);
+  } else {
+    const auto lo = pick_lanes(x, std::make_index_sequence<W / 2>{});
+    const auto hi = pick_lanes(x, offset_lanes<W / 2>(std::make_index_sequence<W / 2>{}));
+    return reduce_lanes(op(lo, hi), op);
+  }
+}
+#else
+template <class V, class Op>
+DIMATTN_INLINE auto reduce_lanes(const V& x, Op op) {
+  auto r = x[0];
+  for (size_t l = 1; l < sizeof(V) / sizeof(x[0]); ++l) r = op(r, x[l]);
+  return r;
+}
+#endif
+template <class V>
+DIMATTN_INLINE auto hsum(const V& x) {
+  return reduce_lanes(x, [](auto a, auto b) { return a + b; });
+}
+// NaN lanes may or may not win (callers look for NaN themselves).
+template <class V>
+DIMATTN_INLINE auto hmax(const V& x) {
+  return reduce_lanes(x, [](auto a, auto b) { return a > b ? a : b; });
+}
+
 template <class V, class T>
 DIMATTN_INLINE V vload(const T* p) {
   V r;
@@ -93,13 +134,11 @@ T row_max(const T* s, int64_t n) {
     const V x = vload<V>(s + j);
     m = vmax(x, m);
   }
-  T r = m[0];
-  for (int l = 1; l < S::W; ++l) r = std::max(r, static_cast<T>(m[l]));
-  return r;
+  return hmax(m);
 }
 
-// s[j] = 2^(s[j] * mul - sub); returns the sum (fixed order: lanes, then
-// vectors left to right).
+// s[j] = 2^(s[j] * mul - sub); returns the sum (fixed order: vectors left to
+// right, then the lanes by halving).
 template <class T>
 T exp2_row(T* s, int64_t n, T mul, T sub) {
   using S = Simd<T>;
@@ -111,9 +150,7 @@ T exp2_row(T* s, int64_t n, T mul, T sub) {
     vstore(s + j, e);
     acc += e;
   }
-  T r = acc[0];
-  for (int l = 1; l < S::W; ++l) r += acc[l];
-  return r;
+  return hsum(acc);
 }
 
 template <class T>
