@@ -84,14 +84,15 @@ std::string missing_cpu_flags(CpuIsa isa, const CpuFeatures& have) {
 }
 
 CpuIsa best_cpu_isa(const CpuFeatures& have) {
-  for (CpuIsa isa : {CpuIsa::avx512_bf16, CpuIsa::avx512, CpuIsa::avx2})
-    if (missing_cpu_flags(isa, have).empty()) return isa;
-  return CpuIsa::generic;
+  CpuIsa best = CpuIsa::generic;
+  for (CpuIsa isa : kCpuIsas)
+    if (missing_cpu_flags(isa, have).empty()) best = isa;
+  return best;
 }
 
 CpuIsa cpu_isa_from_name(const std::string& name, const CpuFeatures& have, const char* what) {
   CpuIsa isa = CpuIsa::best;
-  for (CpuIsa c : {CpuIsa::generic, CpuIsa::avx2, CpuIsa::avx512, CpuIsa::avx512_bf16})
+  for (CpuIsa c : kCpuIsas)
     if (name == cpu_isa_name(c)) isa = c;
   if (isa == CpuIsa::best)
     throw std::invalid_argument(std::string(what) + "=" + name +

@@ -23,6 +23,7 @@ namespace dimattn::kernels {
 // `best` resolves to the cap (DIMATTN_CPU_ISA) when set, else to the best the
 // CPU has.
 enum class CpuIsa { best, generic, avx2, avx512, avx512_bf16 };
+inline constexpr CpuIsa kCpuIsas[] = {CpuIsa::generic, CpuIsa::avx2, CpuIsa::avx512, CpuIsa::avx512_bf16};
 
 const char* cpu_isa_name(CpuIsa isa);
 

@@ -426,7 +426,7 @@ std::vector<CpuIsa> isas() {
   const char* cap = std::getenv("DIMATTN_CPU_ISA");
   if (cap != nullptr && *cap != '\0') return {cpu_flash_best_isa()};
   std::vector<CpuIsa> r;
-  for (CpuIsa isa : {CpuIsa::generic, CpuIsa::avx2, CpuIsa::avx512, CpuIsa::avx512_bf16})
+  for (CpuIsa isa : kCpuIsas)
     if (missing_cpu_flags(isa, cpu_features()).empty()) r.push_back(isa);
   return r;
 }
@@ -849,8 +849,7 @@ TEST_P(CpuIsaPaths, RunHereOrSkipNamingTheMissingFlags) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Isa, CpuIsaPaths,
-                         ::testing::Values(CpuIsa::generic, CpuIsa::avx2, CpuIsa::avx512, CpuIsa::avx512_bf16),
+INSTANTIATE_TEST_SUITE_P(Isa, CpuIsaPaths, ::testing::ValuesIn(kCpuIsas),
                          [](const ::testing::TestParamInfo<CpuIsa>& i) { return std::string(cpu_isa_name(i.param)); });
 
 // Bitwise equal results with 1, 2 and 3 threads and the serial loop, for the
