@@ -232,7 +232,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
 
 template <class S, class A>
 void forward(const AttentionKernelParams& p, const ParallelFor& parallel_for) {
-  const int64_t bq = cpu_flash::fwd_block_q(p.head_dim), bk = cpu_flash::fwd_block_k(p.head_dim);
+  const int64_t bq = cpu_flash::fwd_block_q(p.head_dim), bk = cpu_flash::fwd_block_k(p.head_dim, Simd<float>::W);
   const int64_t nqb = (p.seqlen_q + bq - 1) / bq;
   const int64_t tasks = p.batch * p.heads * nqb;
   if (tasks == 0) return;
