@@ -64,31 +64,29 @@ DIMATTN_X86_PUSH(DIMATTN_X86_TARGET)
 namespace dimattn::kernels::DIMATTN_X86_NAMESPACE {
 
 #if DIMATTN_X86_BYTES == 32
-typedef float vf __attribute__((vector_size(32)));
-typedef double vd __attribute__((vector_size(32)));
-typedef int32_t vi __attribute__((vector_size(32)));
-// Explicit FMA: whether the compiler would contract a * b + c depends on
-// -ffp-contract, and the fused form is both faster and what we test.
-DIMATTN_INLINE vf vfma(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
-DIMATTN_INLINE vd vfma(vd a, vd b, vd c) { return (vd)_mm256_fmadd_pd((__m256d)a, (__m256d)b, (__m256d)c); }
-// One instruction each (a compare-and-select is two).
-DIMATTN_INLINE vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
-DIMATTN_INLINE vd vmax(vd a, vd b) { return (vd)_mm256_max_pd((__m256d)a, (__m256d)b); }
-DIMATTN_INLINE vf vmin(vf a, vf b) { return (vf)_mm256_min_ps((__m256)a, (__m256)b); }
-DIMATTN_INLINE vd vmin(vd a, vd b) { return (vd)_mm256_min_pd((__m256d)a, (__m256d)b); }
+#define DIMATTN_MM(op) _mm256_##op
+typedef __m256 mvf;
+typedef __m256d mvd;
 #elif DIMATTN_X86_BYTES == 64
-typedef float vf __attribute__((vector_size(64)));
-typedef double vd __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-DIMATTN_INLINE vf vfma(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
-DIMATTN_INLINE vd vfma(vd a, vd b, vd c) { return (vd)_mm512_fmadd_pd((__m512d)a, (__m512d)b, (__m512d)c); }
-DIMATTN_INLINE vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
-DIMATTN_INLINE vd vmax(vd a, vd b) { return (vd)_mm512_max_pd((__m512d)a, (__m512d)b); }
-DIMATTN_INLINE vf vmin(vf a, vf b) { return (vf)_mm512_min_ps((__m512)a, (__m512)b); }
-DIMATTN_INLINE vd vmin(vd a, vd b) { return (vd)_mm512_min_pd((__m512d)a, (__m512d)b); }
+#define DIMATTN_MM(op) _mm512_##op
+typedef __m512 mvf;
+typedef __m512d mvd;
 #else
 #error "define DIMATTN_X86_BYTES as 32 or 64"
 #endif
+typedef float vf __attribute__((vector_size(DIMATTN_X86_BYTES)));
+typedef double vd __attribute__((vector_size(DIMATTN_X86_BYTES)));
+typedef int32_t vi __attribute__((vector_size(DIMATTN_X86_BYTES)));
+// Explicit FMA: whether the compiler would contract a * b + c depends on
+// -ffp-contract, and the fused form is both faster and what we test.
+DIMATTN_INLINE vf vfma(vf a, vf b, vf c) { return (vf)DIMATTN_MM(fmadd_ps)((mvf)a, (mvf)b, (mvf)c); }
+DIMATTN_INLINE vd vfma(vd a, vd b, vd c) { return (vd)DIMATTN_MM(fmadd_pd)((mvd)a, (mvd)b, (mvd)c); }
+// One instruction each (a compare-and-select is two).
+DIMATTN_INLINE vf vmax(vf a, vf b) { return (vf)DIMATTN_MM(max_ps)((mvf)a, (mvf)b); }
+DIMATTN_INLINE vd vmax(vd a, vd b) { return (vd)DIMATTN_MM(max_pd)((mvd)a, (mvd)b); }
+DIMATTN_INLINE vf vmin(vf a, vf b) { return (vf)DIMATTN_MM(min_ps)((mvf)a, (mvf)b); }
+DIMATTN_INLINE vd vmin(vd a, vd b) { return (vd)DIMATTN_MM(min_pd)((mvd)a, (mvd)b); }
+#undef DIMATTN_MM
 
 // 32 x 32 -> 64-bit products of the 8 lanes of a with m (m's lanes all equal).
 DIMATTN_INLINE void mulhilo8(__m256i a, __m256i m, __m256i& hi, __m256i& lo) {
