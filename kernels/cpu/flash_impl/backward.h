@@ -190,9 +190,9 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
                   if (th) th[c] = t;
                 }
               }
-              exp2_row(srow, round_up(nv, W), A(1), lse2[r]);
+              exp2_row<Operands::kRoundedWeights>(srow, round_up(nv, W), A(1), lse2[r]);
             } else {
-              exp2_row(srow, round_up(nv, W), qk_mul, lse2[r]);
+              exp2_row<Operands::kRoundedWeights>(srow, round_up(nv, W), qk_mul, lse2[r]);
             }
             fill(srow, lr, A(0));
             fill(srow + nv, np - nv, A(0));

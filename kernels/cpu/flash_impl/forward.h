@@ -194,7 +194,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
       // 0 on the row's first tile; vexp2 (no library call per row and tile):
       // exactly 1 when the max is unchanged, exactly 0 from -inf.
       const A alpha = vexp2(Simd<A>::splat(w.m[r] - mnew))[0];
-      const A sum = exp2_row(srow, npr, mul, mnew);
+      const A sum = exp2_row<Operands::kRoundedWeights>(srow, npr, mul, mnew);
       fill(srow + npr, np - npr, A(0));  // read by P V up to the row block's longest prefix
       w.l[r] = w.l[r] * alpha + sum;
       if (alpha != A(1)) scale_row(w.o + r * dvp, dvp, alpha);

@@ -155,6 +155,7 @@ inline void interleave_rows(const float* src, int64_t lds, int64_t rows, int64_t
 
 template <>
 struct ForwardOperands<uint16_t, float> {
+  static constexpr bool kRoundedWeights = true;
   static constexpr bool kDirect = false;
   using VMat = BMat<Bf16Pair>;
   int64_t D, bk, ldk, ldq;  // ldq: bfloat16 per q row (D made even)
@@ -218,6 +219,7 @@ struct ForwardOperands<uint16_t, float> {
 
 template <>
 struct BackwardOperands<uint16_t, float> {
+  static constexpr bool kRoundedWeights = true;
   static constexpr int64_t kRowStep = 2;
   int64_t D, Dv, dp, dvp, bk, ldk, ldq, ldo;  // ldq, ldo: bfloat16 per q and dO row (D, Dv made even)
   uint16_t *q, *dout;           // rows, [Tq][ldq], [Tq][ldo]

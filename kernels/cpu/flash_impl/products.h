@@ -19,6 +19,9 @@
 
 template <class S, class A>
 struct ForwardOperands {
+  // Whether the products round the weights P (and dS) to bfloat16: then their
+  // exponentials need no more than vexp2<true>'s 3.5e-6 (flash_impl/simd.h).
+  static constexpr bool kRoundedWeights = false;
   // Whether few query rows may read k and v in place (scores_direct).
   static constexpr bool kDirect = std::is_same_v<S, A>;
   using VMat = BMat<A>;
@@ -73,6 +76,7 @@ struct ForwardOperands {
 
 template <class S, class A>
 struct BackwardOperands {
+  static constexpr bool kRoundedWeights = false;  // as ForwardOperands
   // Blocks of rows start at even offsets from the task's first row where the
   // products pair rows (pairs.h); here any row may start one.
   static constexpr int64_t kRowStep = 1;

@@ -77,12 +77,15 @@ DIMATTN_INLINE void vstore(T* p, const V& v) {
   std::memcpy(p, &v, sizeof v);
 }
 
-// 2^x for float lanes: 2^round(x) from the exponent bits times a degree-6
-// polynomial of 2^f on |f| <= 1/2 (Chebyshev interpolation: relative error
-// 2e-8 with its float32 coefficients, 9e-8 (under 1 ulp) evaluated in float32
-// with FMA; p(0) = 1 exactly, so 2^0 = 1).
+// 2^x for float lanes: 2^round(x) from the exponent bits times a polynomial
+// of 2^f on |f| <= 1/2 (Chebyshev interpolation, float32 coefficients, p(0)
+// = 1 exactly, so 2^0 = 1). kCoarse = false: degree 6, relative error 2e-8
+// (9e-8, under 1 ulp, evaluated in float32 with FMA). kCoarse = true: degree
+// 4, relative error 3.5e-6, for weights that are rounded to bfloat16 (u =
+// 2^-8) before they are used (flash_impl/pairs.h; docs/numerics.md).
 // x <= -127 (including -inf, the masked scores) gives exactly 0, so masked
 // positions carry no weight.
+template <bool kCoarse = false>
 DIMATTN_INLINE vf vexp2(vf x) {
   using S = Simd<float>;
   // Bound first, x second: max/min return their second operand when either
@@ -95,12 +98,20 @@ DIMATTN_INLINE vf vexp2(vf x) {
   const vf magic = S::splat(12582912.0f);
   const vf t = x + magic;
   const vf f = x - (t - magic);
-  vf p = S::splat(1.5461444724808513e-04f);
-  p = vfma(p, f, S::splat(1.3400428177711937e-03f));
-  p = vfma(p, f, S::splat(9.618056678432040e-03f));
-  p = vfma(p, f, S::splat(5.550327226669895e-02f));
-  p = vfma(p, f, S::splat(2.4022650922289554e-01f));
-  p = vfma(p, f, S::splat(6.931472067028329e-01f));
+  vf p;
+  if constexpr (kCoarse) {
+    p = S::splat(9.66636836528778e-03f);
+    p = vfma(p, f, S::splat(5.5921975523233414e-02f));
+    p = vfma(p, f, S::splat(2.402234971523285e-01f));
+    p = vfma(p, f, S::splat(6.931210160255432e-01f));
+  } else {
+    p = S::splat(1.5461444724808513e-04f);
+    p = vfma(p, f, S::splat(1.3400428177711937e-03f));
+    p = vfma(p, f, S::splat(9.618056678432040e-03f));
+    p = vfma(p, f, S::splat(5.550327226669895e-02f));
+    p = vfma(p, f, S::splat(2.4022650922289554e-01f));
+    p = vfma(p, f, S::splat(6.931472067028329e-01f));
+  }
   p = vfma(p, f, S::splat(1.0f));
   vi e;
   std::memcpy(&e, &t, sizeof e);
@@ -111,6 +122,7 @@ DIMATTN_INLINE vf vexp2(vf x) {
 }
 
 // float64 is the test dtype: exact library exp2 per lane.
+template <bool kCoarse = false>
 DIMATTN_INLINE vd vexp2(vd x) {
   vd r;
   for (int l = 0; l < Simd<double>::W; ++l) r[l] = std::exp2(x[l]);
@@ -138,16 +150,16 @@ T row_max(const T* s, int64_t n) {
   return hmax(m);
 }
 
-// s[j] = 2^(s[j] * mul - sub); returns the sum (fixed order: vectors left to
-// right, then the lanes by halving).
-template <class T>
+// s[j] = 2^(s[j] * mul - sub) (vexp2<kCoarse>); returns the sum (fixed order:
+// vectors left to right, then the lanes by halving).
+template <bool kCoarse = false, class T>
 T exp2_row(T* s, int64_t n, T mul, T sub) {
   using S = Simd<T>;
   using V = typename S::V;
   const V vm = S::splat(mul), vs = S::splat(-sub);
   V acc = V{};
   for (int64_t j = 0; j < n; j += S::W) {
-    const V e = vexp2(vfma(vload<V>(s + j), vm, vs));
+    const V e = vexp2<kCoarse>(vfma(vload<V>(s + j), vm, vs));
     vstore(s + j, e);
     acc += e;
   }
