@@ -16,6 +16,7 @@
 #include "dimattn/forcing.h"
 #include "dimattn/registry.h"
 #include "dimattn/testing/json.h"
+#include "dimattn/trace.h"
 #include "problem.h"
 
 namespace dimattn::cli {
@@ -77,6 +78,7 @@ struct Record {
   Timing t;
   double gflops = 0, speedup = 0, max_abs_err = 0;
   bool selected = false;
+  std::string isa;  // the code path of the kernel that ran (trace record), "" when it has one
 };
 
 // --- settings ---
@@ -207,7 +209,9 @@ Record measure(const Config& c, const Operands& ops, const std::string& kernel, 
   Record r{&c, kernel, auto_kernel};
   r.selected = kernel == auto_kernel;
   try {
+    TraceScope trace(false);                     // names the kernel and its code path, captures nothing
     const Tensor out = run_forced(ops, kernel);  // `kernel` is also the forcing spec ("auto", "reference", a name)
+    if (!trace.records().empty()) r.isa = trace.records().back().isa;
     r.max_abs_err = ref ? max_abs_diff(out, *ref, ops.out_order) : NAN;
     if (output) *output = out;
     r.t = time_runs(ops, kernel, s);
@@ -292,7 +296,8 @@ void write_json(const std::string& path, const std::vector<Record>& records) {
       << ", \"backend\": " << testing::json_string(p.backend) << ", \"B\": " << p.batch << ", \"H\": " << p.heads
       << ", \"G\": " << p.groups << ", \"Tq\": " << p.seq_q << ", \"Tk\": " << p.seq_k << ", \"D\": " << p.head_dim
       << ", \"causal\": " << (p.causal ? "true" : "false") << "},\n   \"kernel\": " << testing::json_string(r.kernel)
-      << ", \"auto_kernel\": " << testing::json_string(r.auto_kernel) << ", \"selected\": " << (r.selected ? "true" : "false");
+      << ", \"auto_kernel\": " << testing::json_string(r.auto_kernel) << ", \"isa\": " << testing::json_string(r.isa)
+      << ", \"selected\": " << (r.selected ? "true" : "false");
     if (r.rejected_reason) {
       f << ", \"rejected_reason\": " << testing::json_string((r.failed ? "failed: " : "") + *r.rejected_reason)
         << ", \"median_ms\": null, \"min_ms\": null, \"repeats\": 0, \"gflops\": null, "

@@ -112,7 +112,7 @@ int run_explain(int argc, char** argv, int first) {
   std::printf("query     %s\nkeys      %s\nvalues    %s\n", ops.q.repr().c_str(), ops.k.repr().c_str(),
               ops.v.repr().c_str());
   std::printf("params    %s\n", d.params.describe().c_str());
-  std::printf("selected  %s\n", d.kernel.c_str());
+  std::printf("selected  %s%s\n", d.kernel.c_str(), d.isa.empty() ? "" : (" (isa " + d.isa + ")").c_str());
   std::printf("candidates of %s on %s, in priority order:\n", p.backend.c_str(), device_name(p.device).c_str());
   bool after = false;  // candidates after the chosen one were not tried: ask each on its own
   for (const std::string& k : get_backend(p.backend).attention_kernels(p.device)) {

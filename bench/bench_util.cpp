@@ -64,9 +64,15 @@ std::string load_average() {
 
 std::string cpu_model() {
   std::stringstream ss(read_file("/proc/cpuinfo"));
-  for (std::string line; std::getline(ss, line);)
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  return "unknown";
+  std::string name = "unknown", family, model;
+  auto value = [](const std::string& line) { return line.substr(line.find(':') + 2); };
+  for (std::string line; std::getline(ss, line) && !line.empty();) {
+    if (line.rfind("model name", 0) == 0) name = value(line);
+    else if (line.rfind("cpu family", 0) == 0) family = value(line);
+    else if (line.rfind("model", 0) == 0 && line.find(':') != std::string::npos) model = value(line);
+  }
+  // Machines of one name differ (an EPYC may be Zen 3, 4 or 5): family and model say which.
+  return family.empty() ? name : name + " (family " + family + " model " + model + ")";
 }
 
 std::string cpu_flags() {

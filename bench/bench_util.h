@@ -34,7 +34,7 @@ double median(std::vector<double> v);
 
 std::string read_file(const char* path);  // "" when unreadable
 std::string load_average();               // the 1, 5 and 15 minute averages
-std::string cpu_model();
+std::string cpu_model();  // the model name, with family and model where /proc/cpuinfo has them
 // Which of avx2, fma, avx512f, avx512_bf16, amx_bf16 the CPU has.
 std::string cpu_flags();
 std::string today();  // local "YYYY-MM-DD HH:MM"

@@ -58,6 +58,8 @@ const char* kUsage =
     "  --D=a,b             head dims (default 64,128)\n"
     "  --dtype=LIST        float32,bfloat16 (default both)\n"
     "  --causal=LIST       0,1 (default both)\n"
+    "  --isa=LIST          our kernel's code paths to time side by side: best, generic, avx2,\n"
+    "                      avx512, avx512_bf16 (default best: DIMATTN_CPU_ISA or the CPU's best)\n"
     "  --batch=B --heads=H batch and heads (default 1 and 16: B*H = 16)\n"
     "  --no-backward       forward only\n"
     "  --no-ref            skip the reference path\n"
@@ -124,6 +126,7 @@ Options parse(int argc, char** argv) {
       else if ((v = value_of(a, "--D"))) o.D = split_ints(*v);
       else if ((v = value_of(a, "--dtype"))) o.dtypes = split(*v);
       else if ((v = value_of(a, "--causal"))) o.causal = split_ints(*v);
+      else if ((v = value_of(a, "--isa"))) o.isas = split(*v);
       else if ((v = value_of(a, "--batch"))) o.batch = std::stoll(*v);
       else if ((v = value_of(a, "--heads"))) o.heads = std::stoll(*v);
       else if ((v = value_of(a, "--ref-max-T"))) o.ref_max_T = std::stoll(*v);
@@ -154,6 +157,13 @@ Options parse(int argc, char** argv) {
     if (d != "float32" && d != "bfloat16") usage_error("--dtype takes float32 and bfloat16, got " + d);
   for (int64_t c : o.causal)
     if (c != 0 && c != 1) usage_error("--causal takes 0 and 1");
+  for (const std::string& isa : o.isas) {
+    try {
+      if (isa != "best") k::cpu_isa_from_name(isa, k::cpu_features(), "--isa");
+    } catch (const std::invalid_argument& e) {
+      usage_error(e.what());
+    }
+  }
   if (o.threads < 1 || o.min_reps < 1 || o.max_reps < o.min_reps || o.batch < 1 || o.heads < 1)
     usage_error("--threads, --min-reps, --batch, --heads must be >= 1 and --max-reps >= --min-reps");
   return o;
@@ -189,7 +199,11 @@ int main(int argc, char** argv) {
   info.flags = cpu_flags();
   info.date = today();
   info.threads = at::get_num_threads();
-  info.isa = k::cpu_isa_name(k::cpu_flash_best_isa());
+  try {
+    info.isa = k::cpu_isa_name(k::cpu_flash_best_isa());
+  } catch (const std::invalid_argument& e) {  // DIMATTN_CPU_ISA unknown or beyond this CPU
+    usage_error(e.what());
+  }
   info.pool = o.own_pool ? "kernels::ThreadPool" : "at::parallel_for";
   info.clock = o.cpu_clock ? "process CPU" : "wall";
   info.load_before = load_average();

@@ -27,6 +27,10 @@ struct Options {
   std::vector<int64_t> D = {64, 128};
   std::vector<std::string> dtypes = {"float32", "bfloat16"};
   std::vector<int64_t> causal = {0, 1};
+  // Our kernel's code paths, each timed side by side (cpu_isa.h names; "best"
+  // = DIMATTN_CPU_ISA or the CPU's best). A path a dtype does not run
+  // (avx512_bf16 for float32 runs avx512's code) is timed once per row.
+  std::vector<std::string> isas = {"best"};
   int64_t batch = 1, heads = 16;  // B·H = 16
   bool backward = true;           // also time the backward pass
   bool reference = true;
@@ -52,7 +56,8 @@ struct Options {
 
 // What the output records about the run (DESIGN.md §9).
 struct RunInfo {
-  std::string command, cpu, flags, date, load_before, load_after, isa, pool, clock;
+  std::string command, cpu, flags, date, load_before, load_after, pool, clock;
+  std::string isa;  // what "best" resolves to in this process
   int threads = 0;
   double gemm_before = NAN, gemm_after = NAN;
   int64_t gemm_n = 0, gemm_round_n = 0;

@@ -65,19 +65,30 @@ struct Variant {
   bool repeat = true;
 };
 
+// Our kernel on one code path: its own outputs, timed beside the others.
+struct Ours {
+  std::string isa;  // the path that ran (cpu_flash_isa)
+  k::CpuIsa requested = k::CpuIsa::best;
+  at::Tensor out, lse, dq, dk, dv;
+  k::AttentionKernelParams p;
+  double fwd = NAN, bwd = NAN;  // medians in seconds
+  double err_out = NAN, err_grad = NAN, err_ref = NAN;  // vs ATen (grads relative to their max), vs ref
+  bool ok = true;
+};
+
 struct Row {
   std::string dtype;
   int64_t D = 0, T = 0;
   bool causal = false;
   double flops_fwd = 0;
+  std::vector<Ours> ours;  // one per code path, in --isa's order
   // medians in seconds; NAN = not run
-  double ours_fwd = NAN, aten_fwd = NAN, ref_fwd = NAN;
-  double ours_bwd = NAN, aten_bwd = NAN, ref_fwdbwd = NAN;
+  double aten_fwd = NAN, ref_fwd = NAN;
+  double aten_bwd = NAN, ref_fwdbwd = NAN;
   int reps = 0;             // timed rounds
   std::string single_runs;  // variants timed once
   double gemm = NAN;  // GFLOP/s of the GEMM timed in the same rounds
-  double err_out = NAN, err_grad = NAN, err_ref = NAN;  // vs ATen (grads relative to their max), ours vs ref
-  bool ok = true;
+  bool ok = true;     // every path agrees with ATen (and the reference)
 };
 
 // Runs the variants: warm-up, then interleaved rounds.
@@ -100,6 +111,19 @@ int run_rounds(std::vector<Variant>& vs, const Options& o) {
   return reps;
 }
 
+// The code paths of --isa for a dtype, each once (avx512_bf16 runs float32
+// on avx512's code: listed once, as avx512).
+std::vector<std::pair<k::CpuIsa, std::string>> paths_for(const Options& o, k::ElementType dtype) {
+  std::vector<std::pair<k::CpuIsa, std::string>> r;
+  for (const std::string& name : o.isas) {
+    const k::CpuIsa requested =
+        name == "best" ? k::CpuIsa::best : k::cpu_isa_from_name(name, k::cpu_features(), "--isa");
+    const std::string ran = k::cpu_isa_name(k::cpu_flash_isa(dtype, requested));
+    if (std::none_of(r.begin(), r.end(), [&](const auto& x) { return x.second == ran; })) r.push_back({requested, ran});
+  }
+  return r;
+}
+
 Row run_config(const Options& o, const std::string& dtype, int64_t D, int64_t T, bool causal,
                const k::ParallelFor& pf, Gemm* gemm) {
   const at::ScalarType dt = scalar_type(dtype);
@@ -113,24 +137,48 @@ Row run_config(const Options& o, const std::string& dtype, int64_t D, int64_t T,
   row.causal = causal;
   row.flops_fwd = 4.0 * B * H * T * T * D * (causal ? 0.5 : 1.0);
 
+  // Each path writes outputs of its own, compared with ATen's below.
+  for (const auto& [requested, ran] : paths_for(o, pr.p.dtype)) {
+    Ours u;
+    u.isa = ran;
+    u.requested = requested;
+    u.p = pr.p;
+    u.out = at::zeros_like(pr.out);
+    u.lse = at::zeros_like(pr.lse);
+    u.p.out = u.out.data_ptr();
+    u.p.lse = u.lse.data_ptr();
+    if (o.backward) {
+      u.dq = at::zeros_like(pr.q);
+      u.dk = at::zeros_like(pr.k);
+      u.dv = at::zeros_like(pr.v);
+      u.p.dq = u.dq.data_ptr();
+      u.p.dk = u.dk.data_ptr();
+      u.p.dv = u.dv.data_ptr();
+    }
+    row.ours.push_back(std::move(u));
+  }
+
   at::Tensor aout, alse, adq, adk, adv;
   std::vector<Variant> vs;
-  vs.push_back({"ours fwd", [&] { k::flash_attention_forward_cpu(pr.p, pf); }});
-  // A sliding window: the kv blocks outside the band are skipped, so the
-  // time should follow the FLOPs (row i attends min(i, N) + 1 positions).
-  k::AttentionKernelParams windowed = pr.p;
-  const at::Tensor window_out = at::empty_like(pr.out);  // its own output: pr.out is compared with ATen's
+  for (Ours& u : row.ours)
+    vs.push_back({"ours fwd " + u.isa, [&] { k::flash_attention_forward_cpu(u.p, pf, u.requested); }});
+  // A sliding window on the first path: the kv blocks outside the band are
+  // skipped, so the time should follow the FLOPs (row i attends min(i, N) + 1
+  // positions).
+  k::AttentionKernelParams windowed = row.ours[0].p;
+  const at::Tensor window_out = at::empty_like(pr.out);  // its own output: the path's is compared with ATen's
   if (causal && o.window > 0) {
     windowed.bounds.window_left = o.window;
     windowed.out = window_out.data_ptr();
     windowed.lse = nullptr;
-    vs.push_back({"ours window fwd", [&] { k::flash_attention_forward_cpu(windowed, pf); }});
+    vs.push_back({"ours window fwd", [&] { k::flash_attention_forward_cpu(windowed, pf, row.ours[0].requested); }});
   }
   vs.push_back({"aten fwd", [&] {
                   std::tie(aout, alse) = at::_scaled_dot_product_flash_attention_for_cpu(pr.q, pr.k, pr.v, 0.0, causal);
                 }});
   if (o.backward) {
-    vs.push_back({"ours bwd", [&] { k::flash_attention_backward_cpu(pr.p, pf); }});
+    for (Ours& u : row.ours)
+      vs.push_back({"ours bwd " + u.isa, [&] { k::flash_attention_backward_cpu(u.p, pf, u.requested); }});
     vs.push_back({"aten bwd", [&] {
                     std::tie(adq, adk, adv) = at::_scaled_dot_product_flash_attention_for_cpu_backward(
                         pr.dout, pr.q, pr.k, pr.v, aout, alse, 0.0, causal);
@@ -180,18 +228,22 @@ Row run_config(const Options& o, const std::string& dtype, int64_t D, int64_t T,
       if (v.name == name) return median(v.times);
     return double(NAN);
   };
-  row.ours_fwd = med("ours fwd");
+  for (Ours& u : row.ours) {
+    u.fwd = med("ours fwd " + u.isa);
+    u.bwd = med("ours bwd " + u.isa);
+  }
   if (causal && o.window > 0) {
     const double n = static_cast<double>(std::min(o.window, T - 1)), t = static_cast<double>(T);
     const double pairs_window = t * (n + 1) - n * (n + 1) / 2, pairs_causal = t * (t + 1) / 2;
-    const double time_ratio = med("ours window fwd") / row.ours_fwd, flop_ratio = pairs_window / pairs_causal;
-    std::printf("window %lld, %s D=%lld T=%lld: forward %.1f ms vs %.1f ms full causal: time ratio %.4f, FLOP ratio "
-                "%.4f, time / FLOP ratio %.2f\n",
+    const double full = row.ours[0].fwd;
+    const double time_ratio = med("ours window fwd") / full, flop_ratio = pairs_window / pairs_causal;
+    std::printf("window %lld, %s D=%lld T=%lld, isa %s: forward %.1f ms vs %.1f ms full causal: time ratio %.4f, "
+                "FLOP ratio %.4f, time / FLOP ratio %.2f\n",
                 static_cast<long long>(o.window), dtype.c_str(), static_cast<long long>(D), static_cast<long long>(T),
-                1e3 * med("ours window fwd"), 1e3 * row.ours_fwd, time_ratio, flop_ratio, time_ratio / flop_ratio);
+                row.ours[0].isa.c_str(), 1e3 * med("ours window fwd"), 1e3 * full, time_ratio, flop_ratio,
+                time_ratio / flop_ratio);
   }
   row.aten_fwd = med("aten fwd");
-  row.ours_bwd = med("ours bwd");
   row.aten_bwd = med("aten bwd");
   row.ref_fwd = med("ref fwd");
   row.ref_fwdbwd = med("ref fwd+bwd");
@@ -199,20 +251,24 @@ Row run_config(const Options& o, const std::string& dtype, int64_t D, int64_t T,
   for (const Variant& v : vs)
     if (!v.repeat) row.single_runs += (row.single_runs.empty() ? "" : ", ") + v.name;
 
-  // Agreement: ours against ATen (and the reference where it ran). Loose
-  // bounds that catch a wrong setup, not rounding (bfloat16 stores ~3 digits).
+  // Agreement: each path against ATen (and the reference where it ran).
+  // Loose bounds that catch a wrong setup, not rounding (bfloat16 stores ~3
+  // digits; the avx512_bf16 path also rounds the weights to bfloat16).
   const bool f32 = dt == at::kFloat;
-  row.err_out = max_abs_diff(pr.out, aout);
-  if (o.backward) {
-    row.err_grad = 0;
-    const std::pair<at::Tensor, at::Tensor> grads[] = {{pr.dq, adq}, {pr.dk, adk}, {pr.dv, adv}};
-    for (const auto& [ours, theirs] : grads)
-      row.err_grad = std::max(row.err_grad, max_abs_diff(ours, theirs) / std::max(max_abs(theirs), 1e-30));
-  }
-  if (ref_out.defined()) row.err_ref = max_abs_diff(pr.out, ref_out);
   const double tol_out = f32 ? 1e-4 : 5e-2, tol_grad = f32 ? 1e-3 : 5e-2;
-  row.ok = row.err_out <= tol_out && (!o.backward || row.err_grad <= tol_grad) &&
-           (std::isnan(row.err_ref) || row.err_ref <= tol_out);
+  for (Ours& u : row.ours) {
+    u.err_out = max_abs_diff(u.out, aout);
+    if (o.backward) {
+      u.err_grad = 0;
+      const std::pair<at::Tensor, at::Tensor> grads[] = {{u.dq, adq}, {u.dk, adk}, {u.dv, adv}};
+      for (const auto& [ours, theirs] : grads)
+        u.err_grad = std::max(u.err_grad, max_abs_diff(ours, theirs) / std::max(max_abs(theirs), 1e-30));
+    }
+    if (ref_out.defined()) u.err_ref = max_abs_diff(u.out, ref_out);
+    u.ok = u.err_out <= tol_out && (!o.backward || u.err_grad <= tol_grad) &&
+           (std::isnan(u.err_ref) || u.err_ref <= tol_out);
+    row.ok = row.ok && u.ok;
+  }
   return row;
 }
 
@@ -221,51 +277,54 @@ Row run_config(const Options& o, const std::string& dtype, int64_t D, int64_t T,
 
 void print_table(const std::vector<Row>& rows, const RunInfo& info, bool backward) {
   const double gemm_global = std::fmax(info.gemm_before, info.gemm_after);  // NAN-safe
-  std::vector<std::string> columns = {"dtype", "D", "T", "causal", "fwd ms ours / ATen / ref",
+  std::vector<std::string> columns = {"dtype", "D", "T", "causal", "isa", "fwd ms ours / ATen / ref",
                                       "fwd GFLOP/s ours / ATen", "fwd speedup", "fwd %GEMM"};
   if (backward)
-    columns.insert(columns.end(), {"fwd+bwd ms ours / ATen / ref", "fwd+bwd GFLOP/s ours / ATen", "fwd+bwd speedup",
-                                   "bwd speedup", "fwd+bwd %GEMM"});
+    columns.insert(columns.end(), {"bwd ms ours / ATen", "bwd GFLOP/s ours / ATen", "bwd speedup", "bwd %GEMM",
+                                   "fwd+bwd ms ours / ATen / ref", "fwd+bwd speedup"});
   columns.insert(columns.end(), {"GEMM GFLOP/s", "reps"});
   std::printf("\n");
   print_table_header(columns);
-  for (const Row& r : rows) {
-    const double fb_ours = r.ours_fwd + r.ours_bwd, fb_aten = r.aten_fwd + r.aten_bwd;
-    const double f = r.flops_fwd;
-    const double gemm = std::isnan(r.gemm) ? gemm_global : r.gemm;
-    const bool f32 = r.dtype == "float32";
-    std::vector<std::string> cells = {
-        f32 ? "f32" : "bf16",
-        std::to_string(r.D),
-        std::to_string(r.T),
-        r.causal ? "yes" : "no",
-        fmt_ms(r.ours_fwd) + " / " + fmt_ms(r.aten_fwd) + " / " + fmt_ms(r.ref_fwd),
-        fmt("%.1f", gflops(f, r.ours_fwd)) + " / " + fmt("%.1f", gflops(f, r.aten_fwd)),
-        fmt("%.2fx", r.aten_fwd / r.ours_fwd),
-        f32 ? fmt("%.0f%%", 100 * gflops(f, r.ours_fwd) / gemm) : "–"};
-    if (backward)
-      cells.insert(cells.end(),
-                   {fmt_ms(fb_ours) + " / " + fmt_ms(fb_aten) + " / " + fmt_ms(r.ref_fwdbwd),
-                    fmt("%.1f", gflops(3.5 * f, fb_ours)) + " / " + fmt("%.1f", gflops(3.5 * f, fb_aten)),
-                    fmt("%.2fx", fb_aten / fb_ours), fmt("%.2fx", r.aten_bwd / r.ours_bwd),
-                    f32 ? fmt("%.0f%%", 100 * gflops(3.5 * f, fb_ours) / gemm) : "–"});
-    cells.insert(cells.end(), {fmt("%.1f", gemm), std::to_string(r.reps) + (r.single_runs.empty() ? "" : "; once: " + r.single_runs)});
-    print_table_row(cells);
-  }
+  for (const Row& r : rows)
+    for (const Ours& u : r.ours) {
+      const double fb_ours = u.fwd + u.bwd, fb_aten = r.aten_fwd + r.aten_bwd;
+      const double f = r.flops_fwd;
+      const double gemm = std::isnan(r.gemm) ? gemm_global : r.gemm;
+      std::vector<std::string> cells = {
+          r.dtype == "float32" ? "f32" : "bf16",
+          std::to_string(r.D),
+          std::to_string(r.T),
+          r.causal ? "yes" : "no",
+          u.isa,
+          fmt_ms(u.fwd) + " / " + fmt_ms(r.aten_fwd) + " / " + fmt_ms(r.ref_fwd),
+          fmt("%.1f", gflops(f, u.fwd)) + " / " + fmt("%.1f", gflops(f, r.aten_fwd)),
+          fmt("%.2fx", r.aten_fwd / u.fwd),
+          fmt("%.0f%%", 100 * gflops(f, u.fwd) / gemm)};
+      if (backward)
+        cells.insert(cells.end(),
+                     {fmt_ms(u.bwd) + " / " + fmt_ms(r.aten_bwd),
+                      fmt("%.1f", gflops(2.5 * f, u.bwd)) + " / " + fmt("%.1f", gflops(2.5 * f, r.aten_bwd)),
+                      fmt("%.2fx", r.aten_bwd / u.bwd), fmt("%.0f%%", 100 * gflops(2.5 * f, u.bwd) / gemm),
+                      fmt_ms(fb_ours) + " / " + fmt_ms(fb_aten) + " / " + fmt_ms(r.ref_fwdbwd),
+                      fmt("%.2fx", fb_aten / fb_ours)});
+      cells.insert(cells.end(), {fmt("%.1f", gemm), std::to_string(r.reps) + (r.single_runs.empty() ? "" : "; once: " + r.single_runs)});
+      print_table_row(cells);
+    }
   std::printf(
       "\nms: median %s time; fwd+bwd = forward + backward medians. speedup = ATen ms / ours ms (> 1: ours "
-      "faster). GFLOP/s per DESIGN.md §9 (fwd 4·B·H·T²·D, causal half; fwd+bwd 3.5x). %%GEMM (float32 rows): "
-      "ours over the GEMM column, the fp32 at::mm rate timed in the same rounds (else the higher of the "
-      "before/after GEMM). ref: dot_attention forced to \"reference\" (–: not run).\n",
+      "faster). GFLOP/s per DESIGN.md §9 (fwd 4·B·H·T²·D, causal half; bwd 2.5x). %%GEMM: ours over the GEMM "
+      "column, the fp32 at::mm rate timed in the same rounds (else the higher of the before/after GEMM). isa: "
+      "the code path of ours that ran. ref: dot_attention forced to \"reference\" (–: not run).\n",
       info.clock.c_str());
   bool all_ok = true;
   for (const Row& r : rows) all_ok = all_ok && r.ok;
   std::printf("agreement with ATen%s: %s\n", rows.empty() ? "" : " (max |Δout|, max rel |Δgrad|, max |Δout| vs ref)",
               all_ok ? "ok" : "FAILED");
   for (const Row& r : rows)
-    std::printf("  %s D%ld T%ld %s: %s %s %s%s\n", r.dtype.c_str(), static_cast<long>(r.D), static_cast<long>(r.T),
-                r.causal ? "causal" : "full", fmt("%.1e", r.err_out).c_str(), fmt("%.1e", r.err_grad).c_str(),
-                fmt("%.1e", r.err_ref).c_str(), r.ok ? "" : "  <-- exceeds tolerance");
+    for (const Ours& u : r.ours)
+      std::printf("  %s D%ld T%ld %s %s: %s %s %s%s\n", r.dtype.c_str(), static_cast<long>(r.D),
+                  static_cast<long>(r.T), r.causal ? "causal" : "full", u.isa.c_str(), fmt("%.1e", u.err_out).c_str(),
+                  fmt("%.1e", u.err_grad).c_str(), fmt("%.1e", u.err_ref).c_str(), u.ok ? "" : "  <-- exceeds tolerance");
 }
 
 void write_json(const std::string& path, const std::vector<Row>& rows, const RunInfo& info) {
@@ -273,26 +332,29 @@ void write_json(const std::string& path, const std::vector<Row>& rows, const Run
   write_json_header(f, info);
   f << ",\n  \"gemm\": {\"n\": " << info.gemm_n << ", \"round_n\": " << info.gemm_round_n << ", \"gflops_before\": " << json_number(info.gemm_before)
     << ", \"gflops_after\": " << json_number(info.gemm_after) << "},\n  \"rows\": [";
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const Row& r = rows[i];
-    const double f3 = 3.5 * r.flops_fwd;
-    f << (i ? "," : "") << "\n    {\"dtype\": " << json_string(r.dtype) << ", \"D\": " << r.D << ", \"T\": " << r.T
-      << ", \"causal\": " << (r.causal ? "true" : "false") << ", \"flops_fwd\": " << json_number(r.flops_fwd)
-      << ", \"gemm_gflops\": " << json_number(r.gemm) << ", \"reps\": " << r.reps << ", \"single_runs\": " << json_string(r.single_runs)
-      << ",\n     \"ms\": {\"ours_fwd\": " << json_number(r.ours_fwd * 1e3) << ", \"aten_fwd\": " << json_number(r.aten_fwd * 1e3)
-      << ", \"ref_fwd\": " << json_number(r.ref_fwd * 1e3) << ", \"ours_bwd\": " << json_number(r.ours_bwd * 1e3)
-      << ", \"aten_bwd\": " << json_number(r.aten_bwd * 1e3) << ", \"ref_fwd_bwd\": " << json_number(r.ref_fwdbwd * 1e3)
-      << "},\n     \"gflops\": {\"ours_fwd\": " << json_number(gflops(r.flops_fwd, r.ours_fwd))
-      << ", \"aten_fwd\": " << json_number(gflops(r.flops_fwd, r.aten_fwd))
-      << ", \"ours_bwd\": " << json_number(gflops(2.5 * r.flops_fwd, r.ours_bwd))
-      << ", \"aten_bwd\": " << json_number(gflops(2.5 * r.flops_fwd, r.aten_bwd))
-      << ", \"ours_fwd_bwd\": " << json_number(gflops(f3, r.ours_fwd + r.ours_bwd))
-      << ", \"aten_fwd_bwd\": " << json_number(gflops(f3, r.aten_fwd + r.aten_bwd))
-      << ", \"ref_fwd_bwd\": " << json_number(gflops(f3, r.ref_fwdbwd))
-      << "},\n     \"max_abs_err_out_vs_aten\": " << json_number(r.err_out)
-      << ", \"max_rel_err_grad_vs_aten\": " << json_number(r.err_grad)
-      << ", \"max_abs_err_out_vs_ref\": " << json_number(r.err_ref) << ", \"ok\": " << (r.ok ? "true" : "false") << "}";
-  }
+  bool first = true;
+  for (const Row& r : rows)
+    for (const Ours& u : r.ours) {
+      const double f3 = 3.5 * r.flops_fwd;
+      f << (first ? "" : ",") << "\n    {\"dtype\": " << json_string(r.dtype) << ", \"D\": " << r.D << ", \"T\": " << r.T
+        << ", \"causal\": " << (r.causal ? "true" : "false") << ", \"isa\": " << json_string(u.isa)
+        << ", \"flops_fwd\": " << json_number(r.flops_fwd) << ", \"gemm_gflops\": " << json_number(r.gemm)
+        << ", \"reps\": " << r.reps << ", \"single_runs\": " << json_string(r.single_runs)
+        << ",\n     \"ms\": {\"ours_fwd\": " << json_number(u.fwd * 1e3) << ", \"aten_fwd\": " << json_number(r.aten_fwd * 1e3)
+        << ", \"ref_fwd\": " << json_number(r.ref_fwd * 1e3) << ", \"ours_bwd\": " << json_number(u.bwd * 1e3)
+        << ", \"aten_bwd\": " << json_number(r.aten_bwd * 1e3) << ", \"ref_fwd_bwd\": " << json_number(r.ref_fwdbwd * 1e3)
+        << "},\n     \"gflops\": {\"ours_fwd\": " << json_number(gflops(r.flops_fwd, u.fwd))
+        << ", \"aten_fwd\": " << json_number(gflops(r.flops_fwd, r.aten_fwd))
+        << ", \"ours_bwd\": " << json_number(gflops(2.5 * r.flops_fwd, u.bwd))
+        << ", \"aten_bwd\": " << json_number(gflops(2.5 * r.flops_fwd, r.aten_bwd))
+        << ", \"ours_fwd_bwd\": " << json_number(gflops(f3, u.fwd + u.bwd))
+        << ", \"aten_fwd_bwd\": " << json_number(gflops(f3, r.aten_fwd + r.aten_bwd))
+        << ", \"ref_fwd_bwd\": " << json_number(gflops(f3, r.ref_fwdbwd))
+        << "},\n     \"max_abs_err_out_vs_aten\": " << json_number(u.err_out)
+        << ", \"max_rel_err_grad_vs_aten\": " << json_number(u.err_grad)
+        << ", \"max_abs_err_out_vs_ref\": " << json_number(u.err_ref) << ", \"ok\": " << (u.ok ? "true" : "false") << "}";
+      first = false;
+    }
   f << "\n  ]\n}\n";
 }
 
@@ -332,11 +394,13 @@ int grid_mode(const Options& o, RunInfo info) {
           const double t0 = now_s();
           rows.push_back(run_config(o, dtype, D, T, c != 0, pf, gemm.get()));
           const Row& r = rows.back();
-          std::fprintf(stderr, "[%6.0f s] %s D%ld T%ld %s: fwd ours %s ms ATen %s ms, bwd ours %s ms ATen %s ms, GEMM %s GFLOP/s (%d reps, %.1f s)\n",
+          std::string ours;
+          for (const Ours& u : r.ours)
+            ours += " " + u.isa + " " + fmt_ms(u.fwd) + " / " + fmt_ms(u.bwd) + " ms,";
+          std::fprintf(stderr, "[%6.0f s] %s D%ld T%ld %s: fwd / bwd ours%s ATen %s / %s ms, GEMM %s GFLOP/s (%d reps, %.1f s)\n",
                        now_s() - start, dtype.c_str(), static_cast<long>(D), static_cast<long>(T),
-                       c ? "causal" : "full", fmt_ms(r.ours_fwd).c_str(), fmt_ms(r.aten_fwd).c_str(),
-                       fmt_ms(r.ours_bwd).c_str(), fmt_ms(r.aten_bwd).c_str(), fmt("%.1f", r.gemm).c_str(), r.reps,
-                       now_s() - t0);
+                       c ? "causal" : "full", ours.c_str(), fmt_ms(r.aten_fwd).c_str(),
+                       fmt_ms(r.aten_bwd).c_str(), fmt("%.1f", r.gemm).c_str(), r.reps, now_s() - t0);
         }
 
   if (o.gemm_n > 0) {

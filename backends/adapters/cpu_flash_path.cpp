@@ -31,6 +31,12 @@ void run_kernel(F&& f) {
 
 }  // namespace
 
+std::string cpu_flash_isa(const AttentionParams& p) {
+  std::string isa;
+  run_kernel([&] { isa = kernels::cpu_isa_name(kernels::cpu_flash_isa(kernel_element_type(p.dtype))); });
+  return isa;
+}
+
 GateResult cpu_flash_gate(const AttentionParams& p) {
   if (p.device != DeviceType::cpu) return GateResult::fail("runs on CPU only");
   if (p.dtype != DType::float32 && p.dtype != DType::bfloat16 && p.dtype != DType::float16 && p.dtype != DType::float64)
@@ -102,7 +108,8 @@ AttentionCallGrads backward_of(Backend& be, const AttentionCall& c, const Kernel
 }  // namespace
 
 KernelEntry cpu_flash_entry(kernels::ParallelFor (*pool)()) {
-  KernelEntry e{"cpu_flash", DeviceType::cpu, cpu_flash_gate, {.last_dim_unit_stride = true}, {}};
+  KernelEntry e{.name = "cpu_flash", .device = DeviceType::cpu, .gate = cpu_flash_gate,
+                .layout = {.last_dim_unit_stride = true}, .isa = cpu_flash_isa};
   e.run = [pool](Backend& be, const AttentionCall& c, const AttentionPlan& plan) {
     const KernelForm form = form_of(be, c, plan);
     return flash_output(be, c, flash_forward(be, c, form.layout, flash_inputs(be, c, form), pool()).out);

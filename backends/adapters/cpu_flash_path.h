@@ -20,6 +20,11 @@ kernels::ParallelFor default_parallel_for();
 // its backward, on the threads of `pool()`, outside any autograd. A backend
 // with autograd gives it its own run (the torch backend's autograd function).
 KernelEntry cpu_flash_entry(kernels::ParallelFor (*pool)() = default_parallel_for);
+// The instruction set cpu_flash runs p on (KernelEntry::isa; kernels/cpu/cpu_isa.h):
+// DIMATTN_CPU_ISA's cap or the CPU's best, avx512 for other dtypes than
+// bfloat16 under avx512_bf16. An unknown cap, or one this CPU lacks, is a
+// dimattn::Error.
+std::string cpu_flash_isa(const AttentionParams& p);
 
 struct FlashForward {
   RawPtr out, lse;  // out [B, H, Tq, Dv] in the input dtype; lse [B, H, Tq] float32 (float64 for float64)

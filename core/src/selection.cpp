@@ -57,7 +57,7 @@ size_t AttentionParamsHash::operator()(const AttentionParams& p) const {
 }
 
 std::string Decision::explain() const {
-  std::string s = "selected " + kernel;
+  std::string s = "selected " + kernel + (isa.empty() ? "" : " (isa " + isa + ")");
   for (const auto& r : rejected) s += "\n  rejected " + r.kernel + ": " + r.reason;
   return s;
 }
@@ -142,10 +142,12 @@ Decision decide(const std::string& backend, const AttentionParams& params, const
 
 }  // namespace
 
+namespace {
+
 // Cached per (backend, params, use): the gates run only on a miss, so a hit
 // costs one lookup.
-Decision select_kernel(const std::string& backend, const AttentionParams& params, const KernelTable& table,
-                       KernelUse use) {
+Decision cached_decision(const std::string& backend, const AttentionParams& params, const KernelTable& table,
+                         KernelUse use) {
   Cache& c = cache();
   Key key{backend, params, use};
   {
@@ -163,6 +165,16 @@ Decision select_kernel(const std::string& backend, const AttentionParams& params
                    params.describe().c_str());
   }
   return it->second;
+}
+
+}  // namespace
+
+Decision select_kernel(const std::string& backend, const AttentionParams& params, const KernelTable& table,
+                       KernelUse use) {
+  Decision d = cached_decision(backend, params, table, use);
+  // The chosen entry names its code path; the cached decision is the gates' alone.
+  if (const KernelEntry* e = find_kernel(table, params.device, d.kernel); e && e->isa) d.isa = e->isa(params);
+  return d;
 }
 
 const char* kernel_use_op(KernelUse use) {

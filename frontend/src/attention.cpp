@@ -254,7 +254,7 @@ Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& valu
   const std::string& kernel = plan->decision.kernel;
   Tensor out = restore(kernel == kReferenceKernel ? reference_attention(call).output : be.run_attention(call, *plan));
   if (TraceScope::active())
-    TraceScope::record({kernel, out, std::nullopt, std::nullopt, q.shape(), k.shape(), v.shape()});
+    TraceScope::record({kernel, out, std::nullopt, std::nullopt, q.shape(), k.shape(), v.shape(), plan->decision.isa});
   return out;
 }
 

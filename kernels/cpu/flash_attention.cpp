@@ -10,11 +10,13 @@
 #include <memory>
 #include <stdexcept>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common/attention_mask.h"
 #include "common/philox.h"
 #include "cpu/flash_attention_heuristics.h"
+#include "cpu/flash_attention_paths.h"
 #include "cpu/half_bits.h"
 
 // The transposing packer passes 32-byte vectors between inlined helpers; in
@@ -59,36 +61,17 @@ constexpr int kMicroRows = 6;  // 12 accumulators of SSE2's 16 registers
 #include "cpu/flash_attention_impl.h"
 }  // namespace cpu_flash_generic
 
-// Defined in flash_attention_avx2.cpp (x86-64 only).
-namespace cpu_flash_avx2_entry {
-bool available();
-void forward(const AttentionKernelParams& p, const ParallelFor& pf);
-void backward(const AttentionKernelParams& p, const ParallelFor& pf);
-}  // namespace cpu_flash_avx2_entry
-
-CpuIsa cpu_flash_best_isa() {
-  static const CpuIsa best = cpu_flash_avx2_entry::available() ? CpuIsa::avx2 : CpuIsa::generic;
-  return best;
-}
-
-const char* cpu_isa_name(CpuIsa isa) {
-  switch (isa) {
-    case CpuIsa::best: return "best";
-    case CpuIsa::generic: return "generic";
-    case CpuIsa::avx2: return "avx2";
-  }
-  return "invalid";
-}
+const CpuFlashPath kCpuFlashGeneric = {cpu_flash_generic::run_forward, cpu_flash_generic::run_backward};
 
 namespace {
 
-CpuIsa resolve(CpuIsa isa, const char* op) {
-  if (isa == CpuIsa::best) return cpu_flash_best_isa();
-  if (isa == CpuIsa::avx2 && !cpu_flash_avx2_entry::available())
-    throw std::invalid_argument(std::string(op) +
-                                " the avx2 code path needs a CPU with AVX2 and FMA (and a build for x86-64); "
-                                "use CpuIsa::best or CpuIsa::generic");
-  return isa;
+const CpuFlashPath& path_of(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::avx2: return kCpuFlashAvx2;
+    case CpuIsa::avx512: return kCpuFlashAvx512;
+    case CpuIsa::avx512_bf16: return kCpuFlashAvx512Bf16;
+    default: return kCpuFlashGeneric;
+  }
 }
 
 void check(const AttentionKernelParams& p, bool backward) {
@@ -97,22 +80,28 @@ void check(const AttentionKernelParams& p, bool backward) {
   if (!err.empty()) throw std::invalid_argument("[cpu_flash] " + err);
 }
 
+// The path for p on `isa` (cpu_flash_isa's choice).
+const CpuFlashPath& path_for(const AttentionKernelParams& p, CpuIsa isa) {
+  try {
+    const CpuFlashPath& path = path_of(cpu_flash_isa(p.dtype, isa));
+    if (path.forward == nullptr)  // the CPU has it, but this build for its architecture does not
+      throw std::invalid_argument(std::string("this build has no ") + cpu_isa_name(isa) + " code path");
+    return path;
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string("[cpu_flash] ") + e.what());
+  }
+}
+
 }  // namespace
 
 void flash_attention_forward_cpu(const AttentionKernelParams& p, const ParallelFor& parallel_for, CpuIsa isa) {
   check(p, false);
-  if (resolve(isa, "[cpu_flash]") == CpuIsa::avx2)
-    cpu_flash_avx2_entry::forward(p, parallel_for);
-  else
-    cpu_flash_generic::run_forward(p, parallel_for);
+  path_for(p, isa).forward(p, parallel_for);
 }
 
 void flash_attention_backward_cpu(const AttentionKernelParams& p, const ParallelFor& parallel_for, CpuIsa isa) {
   check(p, true);
-  if (resolve(isa, "[cpu_flash]") == CpuIsa::avx2)
-    cpu_flash_avx2_entry::backward(p, parallel_for);
-  else
-    cpu_flash_generic::run_backward(p, parallel_for);
+  path_for(p, isa).backward(p, parallel_for);
 }
 
 }  // namespace dimattn::kernels

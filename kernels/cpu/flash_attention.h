@@ -3,32 +3,27 @@
 // online softmax, forward and backward, over AttentionKernelParams.
 //
 // Numerics: float32, bfloat16 and float16 compute in float32 (16-bit values
-// converted on load, rounded to nearest even on store; F16C on the AVX2 path), float64 in float64. Softmax
-// statistics and all sums are in the accumulation type.
+// converted on load, rounded to nearest even on store; F16C on the x86 paths), float64 in float64. Softmax
+// statistics and all sums are in the accumulation type. On the avx512_bf16
+// path bfloat16 products multiply bfloat16 pairs exactly and sum in float32,
+// with the weights P and dS rounded to bfloat16 first (docs/numerics.md).
 //
 // Determinism: every output element is computed by one task in a fixed order
 // that depends only on the problem's shape, never on the ParallelFor's split
 // or thread count, so results are bitwise reproducible across runs and pools.
-// (The generic and the AVX2 code paths round differently: FMA vs mul + add.)
+// (The code paths round differently: FMA vs mul + add, vector widths, bfloat16 P.)
 #include <string>
 
 #include "common/attention_params.h"
+#include "cpu/cpu_isa.h"
 #include "cpu/thread_pool.h"
 
 namespace dimattn::kernels {
 
-// Instruction set of the inner loops. `best` picks AVX2+FMA when the CPU has
-// it (checked at run time: the library is built for the baseline ISA), else
-// the portable code, which the compiler vectorizes for the baseline.
-enum class CpuIsa { best, generic, avx2 };
-
-// The ISA `best` resolves to on this CPU.
-CpuIsa cpu_flash_best_isa();
-const char* cpu_isa_name(CpuIsa isa);
-
-// Writes out (and lse when non-null).
-// pre: p.validate(false) and p.validate_host_arrays() are empty, else
-//      std::invalid_argument with that message is thrown.
+// Writes out (and lse when non-null), on the code path cpu_flash_isa(p.dtype,
+// isa) names (cpu_isa.h).
+// pre: p.validate(false) and p.validate_host_arrays() are empty, and the CPU
+//      has `isa`; else std::invalid_argument saying why is thrown.
 void flash_attention_forward_cpu(const AttentionKernelParams& p, const ParallelFor& parallel_for,
                                  CpuIsa isa = CpuIsa::best);
 

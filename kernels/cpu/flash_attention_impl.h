@@ -1,17 +1,18 @@
 // The CPU flash attention kernel, written once for every instruction set.
 //
 // No include guard and no #includes, on purpose: flash_attention.cpp includes
-// this file inside namespace dimattn::kernels::cpu_flash_generic, and
-// flash_attention_avx2.cpp inside dimattn::kernels::cpu_flash_avx2 under
-// `#pragma GCC target("avx2,fma")`. The compiler vectorizes each copy for its
+// this file inside namespace dimattn::kernels::cpu_flash_generic, and the x86
+// translation units inside their own namespaces under their target pragmas
+// (flash_attention_x86.h: cpu_flash_avx2, cpu_flash_avx512,
+// cpu_flash_avx512_bf16). The compiler vectorizes each copy for its
 // instruction set, and the copies coexist in one library because their
-// namespaces differ (no ODR clash, so no AVX2 code can leak into the baseline
+// namespaces differ (no ODR clash, so no AVX code can leak into the baseline
 // path). The includer provides, before opening its namespace: <algorithm>, <atomic>,
 // <cmath>, <cstdint>, <cstdlib>, <cstring>, <limits>, <memory>,
-// <type_traits>, <vector>, philox.h, attention_mask.h, attention_params.h, thread_pool.h and
+// <type_traits>, <utility>, <vector>, philox.h, attention_mask.h, attention_params.h, thread_pool.h and
 // flash_attention_heuristics.h; and in its namespace:
-//   vf, vd, vi      GCC vector types of one width (32 bytes on AVX2, 16
-//                   without): float, double and int32 lanes
+//   vf, vd, vi      GCC vector types of one width (16 bytes portable, 32 on
+//                   AVX2, 64 on AVX-512): float, double and int32 lanes
 //   vfma(a, b, c)   a * b + c for vf and vd (fused where the ISA has FMA)
 //   vmax, vmin      lane-wise max and min of vf and vd
 //   philox_bits(key, k4, c1, c2, c3, groups, out)
@@ -21,9 +22,11 @@
 //                   float16 bits <-> float, round to nearest even (half_bits.h's rules)
 //   half8_to_float(src, dst)
 //                   dst[0..7] = half_to_float(src[0..7])
-//   kMicroRows      rows of the GEMM micro-kernel (<= 6): 6 x 2 vectors of
-//                   accumulators fill AVX2's 16 registers
+//   kMicroRows      rows of the GEMM micro-kernel: kMicroRows x 2 vectors of
+//                   accumulators, 2 vectors of B and a broadcast fill the registers
 //   DIMATTN_INLINE  the always-inline function specifier
+// and, where DIMATTN_X86_PAIRS is defined (the avx512_bf16 copy), what
+// flash_impl/pairs.h lists: bfloat16 products run there as pairs.
 //
 // Layout of a kernel call:
 //   forward  tasks (b, h, query block): tiled online softmax over kv tiles;
@@ -33,14 +36,18 @@
 //            for each kv tile, for each query block: recompute P, then dV, dP,
 //            dS, dK (task-local accumulators), dQ (task-local, or a per-chunk
 //            share summed by a second pass in chunk order).
-// Every product is one register-blocked micro-kernel (6 rows x 2 vectors:
-// 16 float32 columns on AVX2) over packed or row-major operands; causal diagonal tiles
-// skip the micro-blocks past the rows' limits.
+// Every product is one register-blocked micro-kernel (kMicroRows rows x 2
+// vectors: 6 x 16 float32 on AVX2, 12 x 32 on AVX-512) over packed or
+// row-major operands, through Products<S, A> (flash_impl/products.h: what the
+// operands are packed as and which micro-kernel multiplies them); causal
+// diagonal tiles skip the micro-blocks past the rows' limits.
 //
 // The parts, in include order (each uses only those before it):
 //   flash_impl/simd.h          vector layer (Simd<T>, loads, exp2) and row helpers
 //   flash_impl/micro_kernel.h  the GEMM micro-kernel, ragged tiles, direct scores
 //   flash_impl/packing.h       element conversion, operand packing, scratch arena
+//   flash_impl/products.h      the products of a pass, per storage type
+//   flash_impl/pairs.h         (avx512_bf16 only) bfloat16 products as pairs
 //   flash_impl/dropout.h       dropout factors of a row tile
 //   flash_impl/forward.h       the forward pass
 //   flash_impl/backward.h      the backward pass
@@ -53,6 +60,10 @@
 #include "cpu/flash_impl/simd.h"
 #include "cpu/flash_impl/micro_kernel.h"
 #include "cpu/flash_impl/packing.h"
+#include "cpu/flash_impl/products.h"
+#ifdef DIMATTN_X86_PAIRS
+#include "cpu/flash_impl/pairs.h"
+#endif
 #include "cpu/flash_impl/dropout.h"
 #include "cpu/flash_impl/forward.h"
 #include "cpu/flash_impl/backward.h"

@@ -39,10 +39,11 @@ fs::path temp_dir() {
   return dir;
 }
 
-// Runs `dimattn <args>`; stderr goes to a file, so it is not a terminal.
-Result run(const std::string& args) {
+// Runs `dimattn <args>` with `env` ("NAME=value ...") added to the
+// environment; stderr goes to a file, so it is not a terminal.
+Result run(const std::string& args, const std::string& env = "") {
   const fs::path err = temp_dir() / "stderr.txt";
-  const std::string cmd = std::string("'") + DIMATTN_CLI + "' " + args + " 2>'" + err.string() + "'";
+  const std::string cmd = env + " '" + DIMATTN_CLI + "' " + args + " 2>'" + err.string() + "'";
   FILE* p = popen(cmd.c_str(), "r");
   EXPECT_NE(p, nullptr) << cmd;
   Result r;
@@ -113,6 +114,27 @@ TEST(Cli, LibraryErrorsGiveOneLineAndStatusOne) {
   EXPECT_NE(r.err.find("[dot_attention]"), std::string::npos) << r.err;
 }
 
+// DIMATTN_CPU_ISA caps cpu_flash's instruction set: explain names the one
+// that runs (avx512's code for float32 under avx512_bf16), and an unknown
+// name is a one-line error saying what to use. (A cap the CPU lacks is
+// checked in tests/kernels, CpuIsa.CapNamesWhatIsMissing, on any CPU.)
+TEST(Cli, CpuIsaCapIsNamedAndChecked) {
+  const std::string call = "explain --backend eigen --batch 1 --heads 2 --seq-q 8 --head-dim 8";
+  const Result generic = run(call + " --dtype bfloat16", "DIMATTN_CPU_ISA=generic");
+  ASSERT_EQ(generic.status, 0) << generic.err;
+  EXPECT_NE(generic.out.find("selected  cpu_flash (isa generic)\n"), std::string::npos) << generic.out;
+  const Result best = run(call + " --dtype bfloat16");
+  ASSERT_EQ(best.status, 0) << best.err;
+  EXPECT_NE(best.out.find("selected  cpu_flash (isa "), std::string::npos) << best.out;
+  const Result bad = run(call, "DIMATTN_CPU_ISA=avx9");
+  EXPECT_EQ(bad.status, 1) << bad.out;
+  EXPECT_TRUE(one_line(bad.err)) << bad.err;
+  EXPECT_NE(bad.err.find("DIMATTN_CPU_ISA=avx9 names no instruction set of cpu_flash; use generic, avx2, avx512 or "
+                         "avx512_bf16"),
+            std::string::npos)
+      << bad.err;
+}
+
 // Every candidate of the backend is listed: the selected one, and each other
 // one rejected with a reason or able to run at lower priority.
 TEST(Cli, ExplainListsEveryCandidate) {
@@ -131,8 +153,10 @@ TEST(Cli, ExplainListsEveryCandidate) {
         listed = true;
         const bool sel = line.find(" selected") != std::string::npos;
         selected += sel;
-        if (sel) {
-          EXPECT_NE(r.out.find("selected  " + k + "\n"), std::string::npos) << r.out;
+        if (sel) {  // cpu_flash adds its instruction set
+          EXPECT_TRUE(r.out.find("selected  " + k + "\n") != std::string::npos ||
+                      r.out.find("selected  " + k + " (isa ") != std::string::npos)
+              << r.out;
         }
         const size_t why = line.find("rejected: ");
         EXPECT_TRUE(sel || line.find("could run") != std::string::npos ||

@@ -10,6 +10,7 @@
 // fails, an acceptance by one expected to reject fails (so the rule stays
 // true), and every case checks that exactly the runs it expects happened.
 #include <cmath>
+#include <cstdlib>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -22,6 +23,7 @@
 #include "dimattn/forcing.h"
 #include "dimattn/run_context.h"
 #include "dimattn/selection.h"
+#include "dimattn/trace.h"
 #include "support/test_util.h"
 
 namespace dimattn {
@@ -68,6 +70,37 @@ std::set<std::string> expected_kernels(const AttentionCase& c, const std::string
   }
   return k;
 }
+
+// The instruction set cpu_flash must run a case of `dtype` on: the cap
+// DIMATTN_CPU_ISA names (ctest's dual_tests_isa_* runs set it), avx512's
+// code for other dtypes than bfloat16 under avx512_bf16; "" without a cap
+// (the CPU's best, whichever it is).
+std::string expected_cpu_isa(DType dtype) {
+  const char* cap = std::getenv("DIMATTN_CPU_ISA");
+  if (cap == nullptr || *cap == '\0') return "";
+  if (std::string(cap) == "avx512_bf16" && dtype != DType::bfloat16) return "avx512";
+  return cap;
+}
+
+// Under a cap this CPU lacks, every cpu_flash call fails saying so: the
+// harness skips, with that reason (an unknown name fails instead).
+class CpuIsaCap : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    if (expected_cpu_isa(DType::bfloat16).empty()) return;
+    const testing::Operands ops = testing::make_operands(AttentionCase{});
+    const std::string err = error_of([&] {
+      ForceKernels force("cpu_flash");
+      explain_attention(ops.q, ops.k, ops.v, ops.opts);
+    });
+    if (err.find("this CPU lacks") != std::string::npos) {
+      std::cout << "[ dual ] skipped: " << err << "\n";  // for ctest's SKIP_REGULAR_EXPRESSION, under --gtest_brief too
+      GTEST_SKIP() << err;
+    }
+    ASSERT_EQ(err, "");
+  }
+};
+::testing::Environment* const kCpuIsaCap = ::testing::AddGlobalTestEnvironment(new CpuIsaCap);
 
 // Kernels whose acceptance the harness does not assert (but whose results,
 // when they run, it compares like any other).
@@ -329,6 +362,7 @@ struct RunResult {
   std::string kernel;
   Tensor out;
   std::vector<Tensor> grads;  // in grad_names' order; empty without autograd
+  std::string isa;            // the code path that ran (AttentionTrace::isa)
 };
 
 // A new leaf with x's dims and values, so that gradients never accumulate across runs.
@@ -351,8 +385,9 @@ RunResult run(Operands ops, const std::string& force) {
   // apply the identical mask (the shared Philox stream).
   TrainFlagScope train(ops.opts.att_dropout > 0);
   set_random_seed(1234);
+  TraceScope trace(false);  // names the code path, captures nothing
   Tensor out = dot_attention(ops.q, ops.k, ops.v, ops.opts);
-  RunResult r{force, out, {}};
+  RunResult r{force, out, {}, trace.records().empty() ? "" : trace.records().back().isa};
   if (grad) {
     reduce_sum(mul(out, ops.w), ops.out_order).backward();
     for (Tensor* t : leaves) r.grads.push_back(*t->grad());
@@ -483,6 +518,13 @@ TEST_P(Dual, EveryKernelAgreesWithTheReference) {
           if (views) EXPECT_EQ(selection_stats().layout_copies, copies_before) << where << " copied q, k or v";
         }
         if (accepts.count(kernel)) runs.insert(run_name);
+        if (kernel == "cpu_flash") {
+          const std::string isa = expected_cpu_isa(c.dtype);
+          if (isa.empty())
+            EXPECT_FALSE(got->isa.empty()) << where << ": cpu_flash named no instruction set";
+          else
+            EXPECT_EQ(got->isa, isa) << where << ": DIMATTN_CPU_ISA=" << std::getenv("DIMATTN_CPU_ISA");
+        }
         const double e = testing::max_abs_diff(got->out, ref.out, ops.out_order);
         std::cout << "[ dual ] " << where << ": max abs err " << e;
         EXPECT_LE(e, testing::tolerance_at_scale(tol, ref.out)) << where;

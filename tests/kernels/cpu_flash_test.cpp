@@ -8,7 +8,9 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <iostream>
 #include <limits>
 #include <random>
 #include <stdexcept>
@@ -418,17 +420,22 @@ double lse_at(const KernelRun& r, const Case& c, int64_t i) {
                                        << want(wi[0], wi[1], wi[2], wi[3]);
 }
 
+// Every code path this CPU runs (the ones it lacks are CpuIsaPaths' skips),
+// or only DIMATTN_CPU_ISA's when that caps them.
 std::vector<CpuIsa> isas() {
-  std::vector<CpuIsa> r{CpuIsa::generic};
-  if (cpu_flash_best_isa() == CpuIsa::avx2) r.push_back(CpuIsa::avx2);
+  const char* cap = std::getenv("DIMATTN_CPU_ISA");
+  if (cap != nullptr && *cap != '\0') return {cpu_flash_best_isa()};
+  std::vector<CpuIsa> r;
+  for (CpuIsa isa : kCpuIsas)
+    if (missing_cpu_flags(isa, cpu_features()).empty()) r.push_back(isa);
   return r;
 }
 
-void check_case(const Case& c, bool backward = true) {
+void check_case(const Case& c, bool backward = true, const std::vector<CpuIsa>& on = isas()) {
   const Inputs in = make_inputs(c);
   const Reference ref = reference(c, in);
   ThreadPool pool(2);
-  for (CpuIsa isa : isas()) {
+  for (CpuIsa isa : on) {
     SCOPED_TRACE(c.name + " isa=" + cpu_isa_name(isa) + " dtype=" + element_type_name(c.dtype));
     KernelRun r = prepare(c, in);
     flash_attention_forward_cpu(r.p, pool.as_parallel_for(), isa);
@@ -483,8 +490,8 @@ TEST(CpuFlash, CrossAttention) {
 
 TEST(CpuFlash, CausalSelfAcrossTiles) {
   for (int64_t d : {64, 128}) {
-    Case c = base("causal D=" + std::to_string(d));
-    c.B = 1, c.H = 2, c.Hkv = 2, c.Tq = c.Tk = 200, c.D = c.Dv = d, c.causal = true;
+    Case c = base("causal D=" + std::to_string(d));  // several kv tiles at every width (fwd_block_k)
+    c.B = 1, c.H = 2, c.Hkv = 2, c.Tq = c.Tk = 300, c.D = c.Dv = d, c.causal = true;
     check_case(c);
   }
 }
@@ -697,6 +704,153 @@ TEST(CpuFlash, NanInputPropagatesToItsRowOnly) {
     }
   }
 }
+
+// The avx512_bf16 path packs bfloat16 as pairs along each product's k (head
+// dim, kv positions, query rows) and starts backward blocks at even rows:
+// odd head dims, lengths and row counts, every layout, GQA, causal offsets,
+// dropout and the multi-chunk backward reach its pair boundaries. Run on
+// every path this CPU has, like every case here.
+TEST(CpuFlash, Bf16OddSizesLayoutsAndChunks) {
+  std::vector<Case> cases;
+  {
+    Case c = base("odd dims", ElementType::bfloat16);
+    c.B = 2, c.H = 4, c.Hkv = 2, c.Tq = 13, c.Tk = 29, c.D = 7, c.Dv = 5, c.causal = true, c.offsets = {16, -2};
+    c.kv_lens = {29, 11};
+    cases.push_back(c);
+  }
+  {
+    Case c = base("odd rows, permuted, dropout", ElementType::bfloat16);
+    c.B = 1, c.H = 2, c.Hkv = 2, c.Tq = 71, c.Tk = 131, c.D = c.Dv = 33, c.layout = Layout::bthd, c.p = 0.2;
+    c.q_lens = {69};
+    cases.push_back(c);
+  }
+  {
+    Case c = base("packed gqa causal", ElementType::bfloat16);
+    c.B = 2, c.H = 4, c.Hkv = 2, c.Tq = c.Tk = 50, c.D = c.Dv = 16, c.causal = true, c.layout = Layout::packed;
+    cases.push_back(c);
+  }
+  {
+    Case c = base("padded rows D=64", ElementType::bfloat16);
+    c.B = 1, c.H = 2, c.Hkv = 1, c.Tq = c.Tk = 150, c.D = c.Dv = 64, c.causal = true, c.layout = Layout::padded;
+    c.p = 0.1, c.broadcast = true;
+    cases.push_back(c);
+  }
+  {
+    Case c = base("kv chunks", ElementType::bfloat16);
+    c.B = 1, c.H = 2, c.Hkv = 1, c.Tq = 91, c.Tk = 700, c.D = c.Dv = 16, c.causal = true, c.offsets = {609};
+    c.p = 0.1;
+    cases.push_back(c);
+  }
+  for (const Case& c : cases) check_case(c);
+}
+
+// docs/numerics.md: rounding the weights P to bfloat16 for P V moves each
+// output element by at most 2^-8 max_j |v_j| (P >= 0 and sum_j P_j = l), and
+// storing it in bfloat16 by 2^-8 |o|; the float32 sums add orders of
+// magnitude less. Checked against the float64 reference on the same
+// bfloat16 inputs, element by element.
+TEST(CpuFlash, Bf16PairsOutputWithinTheDerivedBound) {
+  const std::string missing = missing_cpu_flags(CpuIsa::avx512_bf16, cpu_features());
+  if (!missing.empty()) GTEST_SKIP() << "avx512_bf16: this CPU lacks " << missing;
+  Case c = base("bound", ElementType::bfloat16);
+  c.B = 1, c.H = 2, c.Hkv = 2, c.Tq = 150, c.Tk = 300, c.D = c.Dv = 64;
+  const Inputs in = make_inputs(c);
+  const Reference ref = reference(c, in);
+  KernelRun r = prepare(c, in);
+  flash_attention_forward_cpu(r.p, serial_parallel_for(), CpuIsa::avx512_bf16);
+  constexpr double u = 1.0 / 256;  // bfloat16's unit roundoff
+  double worst = 0;                // the largest error as a share of its bound
+  for (int64_t h = 0; h < c.H; ++h) {
+    double vmax = 0;
+    for (int64_t j = 0; j < c.Tk; ++j)
+      for (int64_t e = 0; e < c.Dv; ++e) vmax = std::max(vmax, std::abs(in.v(0, h, j, e)));
+    for (int64_t i = 0; i < c.Tq; ++i)
+      for (int64_t e = 0; e < c.Dv; ++e) {
+        const double want = ref.out(0, h, i, e), got = r.out.buf->get(r.out.at(0, h, i, e));
+        const double bound = u * (vmax + std::abs(want)) + 1e-5 * vmax;
+        ASSERT_LE(std::abs(got - want), bound) << "out[" << h << ", " << i << ", " << e << "]";
+        worst = std::max(worst, std::abs(got - want) / bound);
+      }
+  }
+  std::cout << "[ bf16 pairs ] largest output error: " << worst << " of the bound\n";
+}
+
+// ---------------------------------------------------------------------------
+// Instruction sets (cpu_isa.h).
+
+TEST(CpuIsa, CapNamesWhatIsMissing) {
+  CpuFeatures avx2;  // an AVX2-only CPU
+  avx2.avx2 = avx2.fma = avx2.f16c = true;
+  CpuFeatures avx512 = avx2;  // AVX-512 without BF16 (Skylake-SP, Ice Lake)
+  avx512.avx512f = avx512.avx512bw = avx512.avx512dq = avx512.avx512vl = true;
+  CpuFeatures bf16 = avx512;
+  bf16.avx512_bf16 = true;
+  EXPECT_EQ(best_cpu_isa(CpuFeatures{}), CpuIsa::generic);
+  EXPECT_EQ(best_cpu_isa(avx2), CpuIsa::avx2);
+  EXPECT_EQ(best_cpu_isa(avx512), CpuIsa::avx512);
+  EXPECT_EQ(best_cpu_isa(bf16), CpuIsa::avx512_bf16);
+  EXPECT_EQ(cpu_isa_from_name("generic", CpuFeatures{}, "DIMATTN_CPU_ISA"), CpuIsa::generic);
+  EXPECT_EQ(cpu_isa_from_name("avx2", bf16, "DIMATTN_CPU_ISA"), CpuIsa::avx2);
+  EXPECT_EQ(cpu_isa_from_name("avx512_bf16", bf16, "DIMATTN_CPU_ISA"), CpuIsa::avx512_bf16);
+  auto error = [](const std::string& name, const CpuFeatures& f) {
+    try {
+      cpu_isa_from_name(name, f, "DIMATTN_CPU_ISA");
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(error("avx512", avx2),
+            "DIMATTN_CPU_ISA=avx512 needs CPU flags this CPU lacks: avx512f avx512bw avx512dq avx512vl; use avx2 or "
+            "lower (generic, avx2, avx512, avx512_bf16 in increasing order), or unset it");
+  EXPECT_NE(error("avx512_bf16", avx512).find("lacks: avx512_bf16;"), std::string::npos) << error("avx512_bf16", avx512);
+  EXPECT_NE(error("avx2", CpuFeatures{}).find("lacks: avx2 fma f16c;"), std::string::npos);
+  EXPECT_NE(error("AVX2", bf16).find("DIMATTN_CPU_ISA=AVX2 names no instruction set of cpu_flash; use generic, avx2, "
+                                     "avx512 or avx512_bf16"),
+            std::string::npos)
+      << error("AVX2", bf16);
+}
+
+TEST(CpuIsa, Bf16PathRunsBfloat16Only) {
+  const std::string missing = missing_cpu_flags(CpuIsa::avx512_bf16, cpu_features());
+  if (!missing.empty()) GTEST_SKIP() << "avx512_bf16: this CPU lacks " << missing;
+  EXPECT_EQ(cpu_flash_isa(ElementType::bfloat16, CpuIsa::avx512_bf16), CpuIsa::avx512_bf16);
+  for (ElementType t : {ElementType::float32, ElementType::float64, ElementType::float16})
+    EXPECT_EQ(cpu_flash_isa(t, CpuIsa::avx512_bf16), CpuIsa::avx512) << element_type_name(t);
+  EXPECT_EQ(cpu_flash_isa(ElementType::bfloat16, CpuIsa::avx2), CpuIsa::avx2);
+}
+
+// Each code path on its own: a small case of every dtype through it, or, on
+// a CPU without it, a skip naming the flags it lacks, after checking that
+// asking for it is a clear error.
+class CpuIsaPaths : public ::testing::TestWithParam<CpuIsa> {};
+
+TEST_P(CpuIsaPaths, RunHereOrSkipNamingTheMissingFlags) {
+  const CpuIsa isa = GetParam();
+  const std::string missing = missing_cpu_flags(isa, cpu_features());
+  if (!missing.empty()) {
+    Case c = base("missing");
+    c.Tq = c.Tk = 4;
+    const Inputs in = make_inputs(c);
+    KernelRun r = prepare(c, in);
+    try {
+      flash_attention_forward_cpu(r.p, serial_parallel_for(), isa);
+      ADD_FAILURE() << cpu_isa_name(isa) << " ran on a CPU that lacks " << missing;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(missing), std::string::npos) << e.what();
+    }
+    GTEST_SKIP() << cpu_isa_name(isa) << ": this CPU lacks " << missing;
+  }
+  for (ElementType t : kAllTypes) {
+    Case c = base(std::string("path ") + cpu_isa_name(isa), t);
+    c.B = 2, c.H = 4, c.Hkv = 2, c.Tq = 45, c.Tk = 77, c.D = c.Dv = 24, c.causal = true, c.offsets = {32, 5};
+    c.p = 0.1;
+    check_case(c, true, {isa});
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Isa, CpuIsaPaths, ::testing::ValuesIn(kCpuIsas),
+                         [](const ::testing::TestParamInfo<CpuIsa>& i) { return std::string(cpu_isa_name(i.param)); });
 
 // Bitwise equal results with 1, 2 and 3 threads and the serial loop, for the
 // forward pass and both backward schedules (one chunk, several chunks).

@@ -76,6 +76,7 @@ struct Rejection {
 
 struct Decision {
   std::string kernel;               // the chosen kernel
+  std::string isa;                  // its code path where it has several (cpu_flash: the instruction set), else ""
   std::vector<Rejection> rejected;  // every candidate tried before it, with the reason
   AttentionParams params;           // what it was decided for
   std::string explain() const;      // multi-line, for logs, `dimattn explain` and errors

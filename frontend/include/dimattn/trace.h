@@ -22,6 +22,7 @@ struct AttentionTrace {
   // Shapes of query, keys and values as the kernel received them (after
   // roles were formed): shows that keys/values were not tiled over query dims.
   std::vector<int64_t> query_shape, keys_shape, values_shape;
+  std::string isa;  // the kernel's code path where it has several (Decision::isa), else ""
 };
 
 class TraceScope {

@@ -35,29 +35,26 @@ BackwardPlan plan_backward(const AttentionKernelParams& p) {
 
 template <class S, class A>
 struct BackwardScratch {
+  using Operands = BackwardOperands<S, A>;
   int64_t dp, dvp, ldk;
-  A *qf, *dof, *lse2, *di, *dq, *dkacc, *dvacc, *kt, *kr, *vt, *s, *dpt, *x, *z, *th;
   Arena<A> arena;
+  Operands ops;
+  A *lse2, *di, *dq, *dkacc, *dvacc, *s, *dpt, *x, *z, *th;
   std::vector<int64_t> nv, kbeg;  // causal tile bounds, see backward_task
   BackwardScratch(const AttentionKernelParams& p, const BackwardPlan& plan)
       : dp(round_up(std::max<int64_t>(p.head_dim, 1), Simd<A>::W)),
         dvp(round_up(std::max<int64_t>(p.head_dim_v, 1), Simd<A>::W)),
         ldk(round_up(plan.bk, Simd<A>::W)),
-        arena(Arena<A>::need({p.seqlen_q * dp, p.seqlen_q * dvp, p.seqlen_q, p.seqlen_q,
-                              plan.chunks == 1 ? p.seqlen_q * dp : 0, plan.chunk_len * dp, plan.chunk_len * dvp,
-                              p.head_dim * ldk, plan.bk * round_up(dp, 2 * Simd<A>::W), p.head_dim_v * ldk,
-                              plan.bq * ldk, plan.bq * ldk, plan.bq * ldk, plan.bq * ldk,
-                              p.score.capped() ? plan.bq * ldk : 0})) {
-    qf = arena.take(p.seqlen_q * dp);
-    dof = arena.take(p.seqlen_q * dvp);
+        arena(Operands::need(p.seqlen_q, p.head_dim, p.head_dim_v, dp, dvp, plan.bk, ldk, plan.bq) +
+              Arena<A>::need({p.seqlen_q, p.seqlen_q, plan.chunks == 1 ? p.seqlen_q * dp : 0, plan.chunk_len * dp,
+                              plan.chunk_len * dvp, plan.bq * ldk, plan.bq * ldk, plan.bq * ldk, plan.bq * ldk,
+                              p.score.capped() ? plan.bq * ldk : 0})),
+        ops(arena, p.seqlen_q, p.head_dim, p.head_dim_v, dp, dvp, plan.bk, ldk, plan.bq) {
     lse2 = arena.take(p.seqlen_q);
     di = arena.take(p.seqlen_q);
     dq = arena.take(plan.chunks == 1 ? p.seqlen_q * dp : 0);
     dkacc = arena.take(plan.chunk_len * dp);
     dvacc = arena.take(plan.chunk_len * dvp);
-    kt = arena.take(p.head_dim * ldk);
-    kr = arena.take(plan.bk * round_up(dp, 2 * Simd<A>::W));
-    vt = arena.take(p.head_dim_v * ldk);
     s = arena.take(plan.bq * ldk);
     dpt = arena.take(plan.bq * ldk);
     x = arena.take(plan.bq * ldk);
@@ -78,6 +75,8 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
   constexpr A kInf = std::numeric_limits<A>::infinity();
   const int64_t D = p.head_dim, Dv = p.head_dim_v, Tq = p.seqlen_q, G = p.group_size();
   const int64_t dp = w.dp, dvp = w.dvp, ldk = w.ldk;
+  using Operands = BackwardOperands<S, A>;
+  Operands& ops = w.ops;
   const EntryMask mask = entry_mask_of(p, b);
   const int64_t kc0 = chunk * plan.chunk_len, kc1 = std::min(kc0 + plan.chunk_len, p.seqlen_k);
   const int64_t kend = std::min(kc1, mask.kv_len);  // valid positions [kc0, kend)
@@ -114,25 +113,23 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
       const A* lse = static_cast<const A*>(p.lse) + b * p.lse_batch_stride + h * p.lse_head_stride;
       const int64_t rows = i_end - i_start;
       // Row-local copies, indexed by i - i_start.
-      pack_rows(q + i_start * p.q_strides.row, p.q_strides.row, rows, D, w.qf, dp, A(1));
-      pack_rows(dout + i_start * p.dout_strides.row, p.dout_strides.row, rows, Dv, w.dof, dvp, A(1));
+      ops.pack_task_rows(q + i_start * p.q_strides.row, p.q_strides.row, dout + i_start * p.dout_strides.row,
+                         p.dout_strides.row, rows);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i_start + r;
         w.lse2[r] = lse[i] * log2e;
         // D_i = rowsum(dO o O) = sum_j P_ij dP_ij (dropout included: O holds it).
         const S* orow = o + i * p.out_strides.row;
-        const A* dorow = w.dof + r * dvp;
+        const S* dorow = dout + i * p.dout_strides.row;
         A acc = 0;
-        for (int64_t c = 0; c < Dv; ++c) acc += dorow[c] * to_acc(orow[c]);
+        for (int64_t c = 0; c < Dv; ++c) acc += to_acc(dorow[c]) * to_acc(orow[c]);
         w.di[r] = acc;
       }
       if (!share) fill(dq + i_start * dp, rows * dp, A(0));
 
       for (int64_t j0 = kc0; j0 < kend; j0 += plan.bk) {
         const int64_t n = std::min(plan.bk, kend - j0), np = round_up(n, W);
-        pack_transposed(k + j0 * krs, krs, n, np, D, w.kt);
-        pack_rows_panels(k + j0 * krs, krs, n, D, plan.bk, w.kr);
-        pack_transposed(v + j0 * vrs, vrs, n, np, Dv, w.vt);
+        ops.pack_tile(k + j0 * krs, krs, v + j0 * vrs, vrs, n, np);
         A* dk_t = w.dkacc + (j0 - kc0) * dp;
         A* dv_t = w.dvacc + (j0 - kc0) * dvp;
         if (drop.on && drop.broadcast) {
@@ -140,13 +137,15 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
           fill(w.z + n, np - n, A(0));
         }
         // The tile's rows: from the first that reaches j0 to the last that
-        // reaches its last position (a window's band, else every later row).
-        const int64_t it0 = std::max(i_start, mask.rows_reaching(j0).lo);
+        // reaches its last position (a window's band, else every later row),
+        // started at a row the products can start a block at (the rows
+        // before the first reaching j0 weigh 0).
+        const int64_t it_reach = std::max(i_start, mask.rows_reaching(j0).lo);
+        const int64_t it0 = i_start + (it_reach - i_start) / Operands::kRowStep * Operands::kRowStep;
         const int64_t it1 = std::min(i_end, mask.rows_reaching(j0 + n - 1).hi);
         for (int64_t i0 = it0; i0 < it1; i0 += plan.bq) {
           const int64_t mm = std::min(plan.bq, it1 - i0);
-          const A* qi = w.qf + (i0 - i_start) * dp;
-          const A* doi = w.dof + (i0 - i_start) * dvp;
+          const int64_t r0 = i0 - i_start;  // the block's first row in the task's copies
           const A* lse2 = w.lse2 + (i0 - i_start);
           const A* di = w.di + (i0 - i_start);
           // Causal diagonal tiles: row r attends the tile's first nv[r]
@@ -164,15 +163,13 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
           auto lb = [&](int64_t r) { return windowed ? std::clamp<int64_t>(mask.lo(i0 + r) - j0, 0, n) : 0; };
 
           // P = exp(scale * Q K^T - lse), recomputed; 0 past each row's prefix.
-          gemm_set(mm, np, D, qi, dp, panel_major(w.kt, D), w.s, ldk, Ragged{nvs, nullptr, nullptr});
+          ops.scores(r0, mm, np, w.s, nvs);
           // The next q block's rows of Q, dO and dQ come from L3 for long
           // sequences: ask for them while this block computes.
           const int64_t next_rows = std::min(plan.bq, i_end - (i0 + plan.bq));
           for (int64_t r = 0; r < mm; ++r) {
             if (next_rows > 0) {
-              const int64_t nb = i0 + plan.bq - i_start;
-              prefetch_part(w.qf + nb * dp, next_rows * dp * static_cast<int64_t>(sizeof(A)), r, mm);
-              prefetch_part(w.dof + nb * dvp, next_rows * dvp * static_cast<int64_t>(sizeof(A)), r, mm);
+              ops.prefetch_rows(r0 + plan.bq, next_rows, r, mm);
               prefetch_part(dq + (i0 + plan.bq) * dp, next_rows * dp * static_cast<int64_t>(sizeof(A)), r, mm);
             }
             A* srow = w.s + r * ldk;
@@ -193,16 +190,16 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
                   if (th) th[c] = t;
                 }
               }
-              exp2_row(srow, round_up(nv, W), A(1), lse2[r]);
+              exp2_row<Operands::kRoundedWeights>(srow, round_up(nv, W), A(1), lse2[r]);
             } else {
-              exp2_row(srow, round_up(nv, W), qk_mul, lse2[r]);
+              exp2_row<Operands::kRoundedWeights>(srow, round_up(nv, W), qk_mul, lse2[r]);
             }
             fill(srow, lr, A(0));
             fill(srow + nv, np - nv, A(0));
           }
           // dPd = dO V^T (the gradient of the dropped-out weights); defined
           // up to each row's prefix rounded to whole vectors.
-          gemm_set(mm, np, Dv, doi, dvp, panel_major(w.vt, Dv), w.dpt, ldk, Ragged{nvs, nullptr, nullptr});
+          ops.dprobs(r0, mm, np, w.dpt, nvs);
           // X = P o Z with Z = keep / (1 - p): the weights that produced O;
           // dP = dPd o Z; dS = P o (dP - D_i) in place of dP. Zero past the
           // prefix, where the transposed products below still read.
@@ -246,9 +243,7 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
           }
           if (drop.on) x = w.x;
           // dV += X^T dO, dK += dS^T Q and dQ += dS K (dK, dQ scaled at the end).
-          gemm_add_at(n, dvp, mm, x, ldk, row_major(doi, dvp), dv_t, dvp, Ragged{nullptr, kbeg, nullptr});
-          gemm_add_at(n, dp, mm, w.dpt, ldk, row_major(qi, dp), dk_t, dp, Ragged{nullptr, kbeg, nullptr});
-          gemm_add(mm, dp, n, w.dpt, ldk, panel_major(w.kr, plan.bk), dq + i0 * dp, dp, Ragged{nullptr, nullptr, nvs});
+          ops.accumulate(r0, mm, n, x, w.dpt, dv_t, dk_t, dq + i0 * dp, kbeg, nvs);
         }
       }
     }

@@ -9,19 +9,20 @@
 
 template <class S, class A>
 struct ForwardScratch {
-  int64_t bq, bk, ldk, dvp, D;
-  int64_t vslot;  // elements per packed v tile: panels of 2W columns
-  // Packed kv tiles (k transposed, v rows, as float/double). A task range
-  // usually holds several query blocks of one kv head (and the GQA heads
-  // sharing it), so the slots keep every tile of the current (b, kv head)
-  // when that fits the budget, and each tile is packed once per range
-  // instead of once per query block. Otherwise one slot is repacked.
+  using Operands = ForwardOperands<S, A>;
+  int64_t bq, bk, ldk, dvp;
+  // Packed kv tiles (ForwardOperands' slots). A task range usually holds
+  // several query blocks of one kv head (and the GQA heads sharing it), so
+  // the slots keep every tile of the current (b, kv head) when that fits the
+  // budget, and each tile is packed once per range instead of once per query
+  // block. Otherwise one slot is repacked.
   int64_t slots;
   int64_t key_b = -1, key_hk = -1;  // whose tiles the slots hold
   int64_t packed = 0;               // many slots: tiles [0, packed) are ready
   int64_t single = -1;              // one slot: the tile it holds
-  A *qs, *kt, *vs, *s, *o, *m, *l, *z;
   Arena<A> arena;
+  Operands ops;
+  A *s, *o, *m, *l, *z;
   std::vector<int64_t> nv;  // per row: end of its valid positions in the current tile
   std::vector<int64_t> lb;  // per row: start of them (windows)
 
@@ -31,8 +32,8 @@ struct ForwardScratch {
     // in L1/L2 beats a buffer that spills to L3.
     if (p.seqlen_q <= bq && p.group_size() == 1) return 1;
     const int64_t tiles = std::max<int64_t>(1, (p.seqlen_k + bk - 1) / bk);
-    const int64_t bytes =
-        tiles * (p.head_dim * ldk + bk * round_up(dvp, 2 * Simd<A>::W)) * static_cast<int64_t>(sizeof(A));
+    const int64_t bytes = tiles * (Operands::k_elements(p.head_dim, ldk) + Operands::v_elements(bk, dvp)) *
+                          static_cast<int64_t>(sizeof(A));
     return bytes <= cpu_flash::fwd_kv_cache_bytes() ? tiles : 1;
   }
   ForwardScratch(const AttentionKernelParams& p, int64_t bq_, int64_t bk_)
@@ -40,14 +41,9 @@ struct ForwardScratch {
         bk(bk_),
         ldk(round_up(bk_, Simd<A>::W)),
         dvp(round_up(std::max<int64_t>(p.head_dim_v, 1), Simd<A>::W)),
-        D(p.head_dim),
-        vslot(bk * round_up(dvp, 2 * Simd<A>::W)),
         slots(slots_for(p, bq, bk, ldk, dvp)),
-        arena(Arena<A>::need({bq * p.head_dim, slots * p.head_dim * ldk, slots * vslot, bq * ldk, bq * dvp, bq, bq,
-                              ldk})) {
-    qs = arena.take(bq * p.head_dim);
-    kt = arena.take(slots * p.head_dim * ldk);
-    vs = arena.take(slots * vslot);
+        arena(Operands::need(bq, bk, p.head_dim, ldk, dvp, slots) + Arena<A>::need({bq * ldk, bq * dvp, bq, bq, ldk})),
+        ops(arena, bq, bk, p.head_dim, ldk, dvp, slots) {
     s = arena.take(bq * ldk);
     o = arena.take(bq * dvp);
     m = arena.take(bq);
@@ -67,8 +63,7 @@ struct ForwardScratch {
     }
     auto pack = [&](int64_t tt, int64_t slot) {
       const int64_t j0 = tt * bk, n = std::min(bk, kv_len - j0);
-      pack_transposed(k + j0 * krs, krs, n, round_up(n, Simd<A>::W), D, kt + slot * D * ldk);
-      pack_rows_panels(v + j0 * vrs, vrs, n, Dv, bk, vs + slot * vslot);
+      ops.pack_tile(slot, k + j0 * krs, krs, v + j0 * vrs, vrs, n, Dv);
     };
     if (slots > 1) {
       for (; packed <= t; ++packed) pack(packed, packed);
@@ -88,6 +83,8 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
   constexpr int W = Simd<A>::W;
   constexpr A kInf = std::numeric_limits<A>::infinity();
   const int64_t D = p.head_dim, Dv = p.head_dim_v, dvp = w.dvp, ldk = w.ldk;
+  using Operands = ForwardOperands<S, A>;
+  Operands& ops = w.ops;
   const EntryMask mask = entry_mask_of(p, b);
   const ScoreMod<A> mod = score_mod_of<A>(p.score, mask, b, h, p.heads);
   const int64_t hk = h / p.group_size();
@@ -111,7 +108,8 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
 
   // Scores in log2 units: exp(scale * q.k) = 2^(q' . k) with q' = q * scale * log2(e).
   const A qmul = static_cast<A>(p.scale * 1.4426950408889634);
-  pack_rows(q + r0 * qrs, qrs, m, D, w.qs, D, qmul);
+  ops.pack_q(q + r0 * qrs, qrs, m, qmul);
+  const A smul = ops.score_mul();  // what the products' scores are still to be multiplied by
   // A sink logit starts each row's softmax: weight 2^(sink - max) in the sum.
   fill(w.m, m, sink_log2_of<A>(p.score, b, h));
   fill(w.l, m, p.score.sinks.on() ? A(1) : A(0));
@@ -123,7 +121,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
   // must stay inside each row: Dv a multiple of the vector width.
   // Dv = 0 (an empty value feature dim) packs instead: the padded width of an
   // empty v would be read past its end (found by fuzz_dot_attention).
-  const bool direct = std::is_same_v<S, A> && m <= 4 && Dv > 0 && Dv % W == 0;
+  const bool direct = Operands::kDirect && m <= 4 && Dv > 0 && Dv % W == 0;
 
   for (int64_t j0 = mask.lo(r0) / w.bk * w.bk; j0 < kv_end; j0 += w.bk) {
     const int64_t n = std::min(w.bk, kv_end - j0), np = round_up(n, W);
@@ -140,17 +138,17 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
     const bool windowed = mask.lo(rv - 1) > j0;
     if (windowed)
       for (int64_t r = 0; r < m; ++r) w.lb[r] = std::clamp<int64_t>(mask.lo(r0 + r) - j0, 0, n);
-    BMat<A> vmat;
-    if constexpr (std::is_same_v<S, A>) {
+    typename Operands::VMat vmat;
+    if constexpr (Operands::kDirect) {
       if (direct) {
-        scores_direct_rows(m, n, D, w.qs, k + j0 * krs, krs, w.s, ldk);
+        scores_direct_rows(m, n, D, ops.q, k + j0 * krs, krs, w.s, ldk);
         vmat = row_major(v + j0 * vrs, vrs);
       }
     }
     if (!direct) {
       const int64_t slot = w.tile(k, krs, v, vrs, Dv, mask.kv_len, b, hk, j0 / w.bk);
-      gemm_set(m, np, D, w.qs, D, panel_major(w.kt + slot * D * ldk, D), w.s, ldk, Ragged{nvs, nullptr, nullptr});
-      vmat = panel_major(w.vs + slot * w.vslot, w.bk);
+      ops.scores(slot, m, np, w.s, nvs);
+      vmat = ops.v_tile(slot);
     }
 
     const bool row_dropout = drop.on && !drop.broadcast;
@@ -159,38 +157,44 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
       fill(w.z + n, np - n, A(0));
     }
     const int64_t next = !direct && j0 + w.bk < kv_end ? w.ready(j0 / w.bk + 1) : -1;
-    for (int64_t r = 0; r < m; ++r) {
-      if (next >= 0) {
-        prefetch_part(w.kt + next * D * ldk, D * ldk * static_cast<int64_t>(sizeof(A)), r, m);
-        prefetch_part(w.vs + next * w.vslot, w.vslot * static_cast<int64_t>(sizeof(A)), r, m);
-      }
-      A* srow = w.s + r * ldk;
+    // Row r's weights in srow (its scores on entry), zero up to np past its positions.
+    auto row_weights = [&](int64_t r, A* srow) {
       const int64_t nv = partial ? nvs[r] : n, lb = windowed ? w.lb[r] : 0;
       if (nv <= lb) {  // nothing to attend here: zero weights, state unchanged
         fill(srow, np, A(0));
-        continue;
+        return;
       }
       const int64_t npr = round_up(nv, W);
-      if (mod.on()) {  // scores are q' . k = x (log2 units): cap, bias, ALiBi, mask
+      // x = smul * s (log2 units). The variants are applied to x; without them
+      // smul > 0 goes into the max and the exponentials (a factor <= 0 would
+      // turn the max into a min, and 0 * -inf is NaN).
+      A mul = smul;
+      if (mod.on()) {  // cap, bias, ALiBi, mask
         A t;
         if (mod.bias_row_only()) {
           const A* bias = mod.bias + (r0 + r) * mod.bias_row + j0;
-          for (int64_t c = lb; c < nv; ++c) srow[c] += static_cast<A>(kScoreLog2e) * bias[c];
+          for (int64_t c = lb; c < nv; ++c) srow[c] = srow[c] * mul + static_cast<A>(kScoreLog2e) * bias[c];
         } else {
-          for (int64_t c = lb; c < nv; ++c) srow[c] = mod.apply(srow[c], r0 + r, j0 + c, t);
+          for (int64_t c = lb; c < nv; ++c) srow[c] = mod.apply(srow[c] * mul, r0 + r, j0 + c, t);
         }
+        mul = A(1);
+      } else if (!(mul > A(0))) {
+        scale_row(srow, npr, mul);
+        mul = A(1);
       }
       fill(srow, lb, -kInf);
       fill(srow + nv, npr - nv, -kInf);
-      const A mnew = std::max(w.m[r], row_max(srow, npr));
+      const A mnew = std::max(w.m[r], row_max(srow, npr) * mul);
       // A mask or a -inf bias forbade all of it so far: as above. (row_max
       // skips NaN, which must still reach the output: NaN in, NaN out.)
       if (mnew == -kInf && std::none_of(srow + lb, srow + nv, [](A x) { return x != x; })) {
         fill(srow, np, A(0));
-        continue;
+        return;
       }
-      const A alpha = std::exp2(w.m[r] - mnew);  // 0 on the row's first tile
-      const A sum = exp2_row(srow, npr, A(1), mnew);
+      // 0 on the row's first tile; vexp2 (no library call per row and tile):
+      // exactly 1 when the max is unchanged, exactly 0 from -inf.
+      const A alpha = vexp2(Simd<A>::splat(w.m[r] - mnew))[0];
+      const A sum = exp2_row<Operands::kRoundedWeights>(srow, npr, mul, mnew);
       fill(srow + npr, np - npr, A(0));  // read by P V up to the row block's longest prefix
       w.l[r] = w.l[r] * alpha + sum;
       if (alpha != A(1)) scale_row(w.o + r * dvp, dvp, alpha);
@@ -203,8 +207,14 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
       } else if (drop.on) {
         mul_rows(srow, w.z, npr);
       }
+    };
+    for (int64_t r = 0; r < m; ++r) {
+      if (next >= 0) ops.prefetch_tile(next, r, m);
+      A* srow = w.s + r * ldk;
+      row_weights(r, srow);
+      ops.weights_ready(r, srow, np);
     }
-    gemm_add(m, dvp, n, w.s, ldk, vmat, w.o, dvp, Ragged{nullptr, nullptr, nvs});
+    ops.add_pv(m, n, w.s, vmat, w.o, dvp, nvs);
   }
 
   for (int64_t r = 0; r < m; ++r) {
@@ -222,7 +232,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
 
 template <class S, class A>
 void forward(const AttentionKernelParams& p, const ParallelFor& parallel_for) {
-  const int64_t bq = cpu_flash::fwd_block_q(p.head_dim), bk = cpu_flash::fwd_block_k(p.head_dim);
+  const int64_t bq = cpu_flash::fwd_block_q(p.head_dim), bk = cpu_flash::fwd_block_k(p.head_dim, Simd<float>::W);
   const int64_t nqb = (p.seqlen_q + bq - 1) / bq;
   const int64_t tasks = p.batch * p.heads * nqb;
   if (tasks == 0) return;

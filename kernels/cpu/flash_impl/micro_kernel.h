@@ -7,29 +7,49 @@
 
 // ---------------------------------------------------------------------------
 // GEMM micro-kernel: C[R x NV*W] (+)= sum_k A(r, k) * B[k][0 : NV*W], with R x NV
-// accumulator vectors held in registers (6 x 2 = 12 of AVX2's 16). A is read
-// by scalar broadcasts, so it may be row-major (A(r, k) = a[r * lda + k]) or
-// transposed (A(r, k) = a[k * lda + r]); B rows are contiguous vectors.
+// accumulator vectors of T held in registers (6 x 2 = 12 of AVX2's 16,
+// 12 x 2 = 24 of AVX-512's 32). The operands are of type U: T itself (one
+// multiply-add per k), or pairs of bfloat16 (flash_impl/pairs.h: a k step
+// is two products, k counts pairs). A is read by scalar broadcasts, so it
+// may be row-major (A(r, k) = a[r * lda + k]) or transposed (A(r, k) =
+// a[k * lda + r]); B rows are contiguous vectors.
 
-template <class T, bool kATrans, bool kAccumulate, int R, int NV>
-DIMATTN_INLINE void micro_kernel(int64_t kdim, const T* __restrict a, int64_t lda, const T* __restrict b,
+// How the micro-kernel multiplies operands of type U into accumulators of
+// type T: here U = T, one fused multiply-add per k.
+template <class U>
+struct Mac {
+  using V = typename Simd<U>::V;  // a row of B, and A's broadcast
+  static constexpr int64_t kPack = 1;  // elements of k per operand
+  static DIMATTN_INLINE V load(const U* p) { return vload<V>(p); }
+  static DIMATTN_INLINE V bcast(U x) { return Simd<U>::splat(x); }
+  static DIMATTN_INLINE V mac(V acc, V a, V b) { return vfma(a, b, acc); }
+};
+
+// Columns of C (and of B) per micro-kernel block: two vectors.
+template <class U>
+constexpr int64_t panel_width() {
+  return 2 * static_cast<int64_t>(sizeof(vf) / sizeof(U));
+}
+
+template <class T, class U, bool kATrans, bool kAccumulate, int R, int NV>
+DIMATTN_INLINE void micro_kernel(int64_t kdim, const U* __restrict a, int64_t lda, const U* __restrict b,
                                  int64_t ldb, T* __restrict c, int64_t ldc) {
-  using S = Simd<T>;
-  using V = typename S::V;
-  constexpr int W = S::W;
+  using V = typename Simd<T>::V;
+  using M = Mac<U>;
+  constexpr int W = Simd<T>::W;
   V acc[R][NV];
   DIMATTN_UNROLL for (int r = 0; r < R; ++r) {
     DIMATTN_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = kAccumulate ? vload<V>(c + r * ldc + v * W) : V{};
   }
   const int64_t ars = kATrans ? 1 : lda, acs = kATrans ? lda : 1;
   for (int64_t kk = 0; kk < kdim; ++kk) {
-    const T* bk = b + kk * ldb;
-    const T* ak = a + kk * acs;
-    V bv[NV];
-    DIMATTN_UNROLL for (int v = 0; v < NV; ++v) bv[v] = vload<V>(bk + v * W);
+    const U* bk = b + kk * ldb;
+    const U* ak = a + kk * acs;
+    typename M::V bv[NV];
+    DIMATTN_UNROLL for (int v = 0; v < NV; ++v) bv[v] = M::load(bk + v * W);
     DIMATTN_UNROLL for (int r = 0; r < R; ++r) {
-      const V ar = S::splat(ak[r * ars]);
-      DIMATTN_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = vfma(ar, bv[v], acc[r][v]);
+      const typename M::V ar = M::bcast(ak[r * ars]);
+      DIMATTN_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = M::mac(acc[r][v], ar, bv[v]);
     }
   }
   DIMATTN_UNROLL for (int r = 0; r < R; ++r) {
@@ -37,22 +57,20 @@ DIMATTN_INLINE void micro_kernel(int64_t kdim, const T* __restrict a, int64_t ld
   }
 }
 
-
-template <class T, bool kATrans, bool kAccumulate, int NV>
-void micro_rows(int rows, int64_t kdim, const T* a, int64_t lda, const T* b, int64_t ldb, T* c, int64_t ldc) {
-  switch (rows) {
-    case 6: micro_kernel<T, kATrans, kAccumulate, 6, NV>(kdim, a, lda, b, ldb, c, ldc); break;
-    case 5: micro_kernel<T, kATrans, kAccumulate, 5, NV>(kdim, a, lda, b, ldb, c, ldc); break;
-    case 4: micro_kernel<T, kATrans, kAccumulate, 4, NV>(kdim, a, lda, b, ldb, c, ldc); break;
-    case 3: micro_kernel<T, kATrans, kAccumulate, 3, NV>(kdim, a, lda, b, ldb, c, ldc); break;
-    case 2: micro_kernel<T, kATrans, kAccumulate, 2, NV>(kdim, a, lda, b, ldb, c, ldc); break;
-    default: micro_kernel<T, kATrans, kAccumulate, 1, NV>(kdim, a, lda, b, ldb, c, ldc); break;
+// The micro-kernel for `rows` rows, 1 <= rows <= R (= kMicroRows).
+template <class T, class U, bool kATrans, bool kAccumulate, int NV, int R = kMicroRows>
+DIMATTN_INLINE void micro_rows(int rows, int64_t kdim, const U* a, int64_t lda, const U* b, int64_t ldb, T* c,
+                               int64_t ldc) {
+  if constexpr (R > 1) {
+    if (rows < R) return micro_rows<T, U, kATrans, kAccumulate, NV, R - 1>(rows, kdim, a, lda, b, ldb, c, ldc);
   }
+  micro_kernel<T, U, kATrans, kAccumulate, R, NV>(kdim, a, lda, b, ldb, c, ldc);
 }
 
 // Causal tiles are triangular: per row of C, nondecreasing bounds that let
 // whole micro-blocks be skipped or shortened, so that work follows the valid
 // (row, kv) pairs instead of the rectangle. nullptr = the full rectangle.
+// Bounds count elements of k (rows or kv positions), whatever U packs.
 struct Ragged {
   const int64_t* cols = nullptr;     // row i needs C[i][0 : cols[i]] only (other columns: unspecified)
   const int64_t* k_begin = nullptr;  // A(i, k) = 0 for k < k_begin[i]
@@ -60,69 +78,70 @@ struct Ragged {
 };
 
 // The B operand: element (k, j) at p[(j / P) * panel + k * ld + j % P] with
-// P = 2W, the micro-kernel's width. Row-major B is panel = P; packed tiles
-// are panel-major (panel = rows * P, ld = P), so that the kdim x P panel a
-// micro-kernel streams is contiguous memory, prefetched as one sequential
-// stream from whichever cache level holds it.
-template <class T>
+// P = panel_width<U>(), the micro-kernel's width. Row-major B is panel = P;
+// packed tiles are panel-major (panel = rows * P, ld = P), so that the kdim
+// x P panel a micro-kernel streams is contiguous memory, prefetched as one
+// sequential stream from whichever cache level holds it.
+template <class U>
 struct BMat {
-  const T* p;
+  const U* p;
   int64_t ld, panel;
 };
-template <class T>
-BMat<T> row_major(const T* p, int64_t ld) {
-  return {p, ld, 2 * Simd<T>::W};
+template <class U>
+BMat<U> row_major(const U* p, int64_t ld) {
+  return {p, ld, panel_width<U>()};
 }
-template <class T>
-BMat<T> panel_major(const T* p, int64_t rows) {
-  return {p, 2 * Simd<T>::W, rows * 2 * Simd<T>::W};
+template <class U>
+BMat<U> panel_major(const U* p, int64_t rows) {
+  return {p, panel_width<U>(), rows * panel_width<U>()};
 }
 
 // C[m x n] (+)= A[m x kdim] B[kdim x n], A row-major (or transposed, see
-// micro_kernel) with leading dim lda, C row-major.
+// micro_kernel) with leading dim lda, C row-major; kdim and lda count
+// operands of U (pairs of k for bfloat16 pairs).
 // pre: n % W == 0 (callers pad tiles to whole vectors); C rows don't overlap.
-template <class T, bool kATrans, bool kAccumulate>
-void gemm(int64_t m, int64_t n, int64_t kdim, const T* a, int64_t lda, const BMat<T>& b, T* c, int64_t ldc,
+template <class T, class U, bool kATrans, bool kAccumulate>
+void gemm(int64_t m, int64_t n, int64_t kdim, const U* a, int64_t lda, const BMat<U>& b, T* c, int64_t ldc,
           const Ragged& rg) {
-  constexpr int W = Simd<T>::W;
+  constexpr int64_t P = panel_width<U>(), K = Mac<U>::kPack;
+  static_assert(P == 2 * Simd<T>::W, "a panel is two accumulator vectors wide");
   auto block = [&](auto nv_tag, int64_t i, int64_t j) {
     constexpr int NV = decltype(nv_tag)::value;
     const int64_t rows = std::min<int64_t>(kMicroRows, m - i), last = i + rows - 1;
     if (rg.cols && j >= rg.cols[last]) return;
-    const int64_t kb = rg.k_begin ? std::min(rg.k_begin[i], kdim) : 0;
-    const int64_t ke = rg.k_end ? std::min(rg.k_end[last], kdim) : kdim;
+    const int64_t kb = rg.k_begin ? std::min(rg.k_begin[i] / K, kdim) : 0;
+    const int64_t ke = rg.k_end ? std::min((rg.k_end[last] + K - 1) / K, kdim) : kdim;
     if (kAccumulate && ke <= kb) return;
-    const T* ab = kATrans ? a + i + kb * lda : a + i * lda + kb;
-    const T* bb = b.p + (j / (2 * W)) * b.panel + (j % (2 * W)) + kb * b.ld;
-    micro_rows<T, kATrans, kAccumulate, NV>(static_cast<int>(rows), std::max<int64_t>(ke - kb, 0), ab, lda, bb, b.ld,
-                                            c + i * ldc + j, ldc);
+    const U* ab = kATrans ? a + i + kb * lda : a + i * lda + kb;
+    const U* bb = b.p + (j / P) * b.panel + (j % P) + kb * b.ld;
+    micro_rows<T, U, kATrans, kAccumulate, NV>(static_cast<int>(rows), std::max<int64_t>(ke - kb, 0), ab, lda, bb,
+                                               b.ld, c + i * ldc + j, ldc);
   };
   int64_t j = 0;
-  // Column blocks outside, row blocks inside: the kdim x 2W panel of B stays
+  // Column blocks outside, row blocks inside: the kdim x P panel of B stays
   // in L1 while every row block of A streams past it.
-  for (; j + 2 * W <= n; j += 2 * W)
+  for (; j + P <= n; j += P)
     for (int64_t i = 0; i < m; i += kMicroRows) block(std::integral_constant<int, 2>{}, i, j);
   if (j < n)
     for (int64_t i = 0; i < m; i += kMicroRows) block(std::integral_constant<int, 1>{}, i, j);
 }
 
 // C = A B, C += A B, and C += A^T B with A stored [kdim][lda].
-template <class T>
-void gemm_set(int64_t m, int64_t n, int64_t kdim, const T* a, int64_t lda, const BMat<T>& b, T* c, int64_t ldc,
+template <class T, class U>
+void gemm_set(int64_t m, int64_t n, int64_t kdim, const U* a, int64_t lda, const BMat<U>& b, T* c, int64_t ldc,
               const Ragged& rg = {}) {
-  gemm<T, false, false>(m, n, kdim, a, lda, b, c, ldc, rg);
+  gemm<T, U, false, false>(m, n, kdim, a, lda, b, c, ldc, rg);
 }
-template <class T>
-void gemm_add(int64_t m, int64_t n, int64_t kdim, const T* a, int64_t lda, const BMat<T>& b, T* c, int64_t ldc,
+template <class T, class U>
+void gemm_add(int64_t m, int64_t n, int64_t kdim, const U* a, int64_t lda, const BMat<U>& b, T* c, int64_t ldc,
               const Ragged& rg = {}) {
-  gemm<T, false, true>(m, n, kdim, a, lda, b, c, ldc, rg);
+  gemm<T, U, false, true>(m, n, kdim, a, lda, b, c, ldc, rg);
 }
-template <class T>
-void gemm_add_at(int64_t m, int64_t n, int64_t kdim, const T* a, int64_t lda, const BMat<T>& b, T* c, int64_t ldc,
+template <class T, class U>
+void gemm_add_at(int64_t m, int64_t n, int64_t kdim, const U* a, int64_t lda, const BMat<U>& b, T* c, int64_t ldc,
                  const Ragged& rg = {}) {
-  gemm<T, true, true>(m, n, kdim, a, lda, b, c, ldc, rg);
+  gemm<T, U, true, true>(m, n, kdim, a, lda, b, c, ldc, rg);
 }
-
 
 // Few query rows (decoding): S[r][c] = qs[r] . k[c] read straight from k's
 // rows, vectorized along the head dim, instead of packing k transposed for
@@ -133,11 +152,6 @@ void scores_direct(int64_t n, int64_t D, const A* qs, const A* k, int64_t krs, A
   using V = typename Simd<A>::V;
   constexpr int W = Simd<A>::W, KR = M == 1 ? 8 : 12 / M;
   const int64_t dv = D / W * W;
-  auto hsum = [](const V& x) {
-    A r = x[0];
-    for (int l = 1; l < W; ++l) r += x[l];
-    return r;
-  };
   int64_t c = 0;
   auto step = [&](auto kr_tag) {
     constexpr int R = decltype(kr_tag)::value;

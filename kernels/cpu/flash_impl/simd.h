@@ -25,6 +25,47 @@ struct Simd<double> {
 };
 static_assert(sizeof(vi) == sizeof(vf) && sizeof(vd) == sizeof(vf), "one vector width per instruction set");
 
+// The lanes of a vector reduced by op in halving steps (log2 W dependent
+// operations instead of a chain of W - 1), in registers: the sum or max of a
+// row's lanes.
+#if defined(__clang__) || __GNUC__ >= 12
+template <class V, size_t... I>
+DIMATTN_INLINE auto pick_lanes(const V& x, std::index_sequence<I...>) {
+  return __builtin_shufflevector(x, x, I...);
+}
+template <size_t Off, size_t... I>
+constexpr auto offset_lanes(std::index_sequence<I...>) {
+  return std::index_sequence<(I + Off)...>{};
+}
+template <class V, class Op>
+DIMATTN_INLINE auto reduce_lanes(const V& x, Op op) {
+  constexpr size_t W = sizeof(V) / sizeof(x[0]);
+  if constexpr (W == 2) {
+    return op(x[0], x[1]);
+  } else {
+    const auto lo = pick_lanes(x, std::make_index_sequence<W / 2>{});
+    const auto hi = pick_lanes(x, offset_lanes<W / 2>(std::make_index_sequence<W / 2>{}));
+    return reduce_lanes(op(lo, hi), op);
+  }
+}
+#else
+template <class V, class Op>
+DIMATTN_INLINE auto reduce_lanes(const V& x, Op op) {
+  auto r = x[0];
+  for (size_t l = 1; l < sizeof(V) / sizeof(x[0]); ++l) r = op(r, x[l]);
+  return r;
+}
+#endif
+template <class V>
+DIMATTN_INLINE auto hsum(const V& x) {
+  return reduce_lanes(x, [](auto a, auto b) { return a + b; });
+}
+// NaN lanes may or may not win (callers look for NaN themselves).
+template <class V>
+DIMATTN_INLINE auto hmax(const V& x) {
+  return reduce_lanes(x, [](auto a, auto b) { return a > b ? a : b; });
+}
+
 template <class V, class T>
 DIMATTN_INLINE V vload(const T* p) {
   V r;
@@ -36,10 +77,15 @@ DIMATTN_INLINE void vstore(T* p, const V& v) {
   std::memcpy(p, &v, sizeof v);
 }
 
-// 2^x for float lanes: 2^round(x) from the exponent bits times a degree-7
-// Taylor polynomial of 2^f on |f| <= 1/2 (relative error < 1e-8 before
-// rounding, about 1 ulp after). x <= -127 (including -inf, the masked scores)
-// gives exactly 0, so masked positions carry no weight.
+// 2^x for float lanes: 2^round(x) from the exponent bits times a polynomial
+// of 2^f on |f| <= 1/2 (Chebyshev interpolation, float32 coefficients, p(0)
+// = 1 exactly, so 2^0 = 1). kCoarse = false: degree 6, relative error 2e-8
+// (9e-8, under 1 ulp, evaluated in float32 with FMA). kCoarse = true: degree
+// 4, relative error 3.5e-6, for weights that are rounded to bfloat16 (u =
+// 2^-8) before they are used (flash_impl/pairs.h; docs/numerics.md).
+// x <= -127 (including -inf, the masked scores) gives exactly 0, so masked
+// positions carry no weight.
+template <bool kCoarse = false>
 DIMATTN_INLINE vf vexp2(vf x) {
   using S = Simd<float>;
   // Bound first, x second: max/min return their second operand when either
@@ -52,13 +98,20 @@ DIMATTN_INLINE vf vexp2(vf x) {
   const vf magic = S::splat(12582912.0f);
   const vf t = x + magic;
   const vf f = x - (t - magic);
-  vf p = S::splat(1.525273380405984e-05f);
-  p = vfma(p, f, S::splat(1.540353039338161e-04f));
-  p = vfma(p, f, S::splat(1.333355814642844e-03f));
-  p = vfma(p, f, S::splat(9.618129107628477e-03f));
-  p = vfma(p, f, S::splat(5.550410866482158e-02f));
-  p = vfma(p, f, S::splat(2.402265069591007e-01f));
-  p = vfma(p, f, S::splat(6.931471805599453e-01f));
+  vf p;
+  if constexpr (kCoarse) {
+    p = S::splat(9.66636836528778e-03f);
+    p = vfma(p, f, S::splat(5.5921975523233414e-02f));
+    p = vfma(p, f, S::splat(2.402234971523285e-01f));
+    p = vfma(p, f, S::splat(6.931210160255432e-01f));
+  } else {
+    p = S::splat(1.5461444724808513e-04f);
+    p = vfma(p, f, S::splat(1.3400428177711937e-03f));
+    p = vfma(p, f, S::splat(9.618056678432040e-03f));
+    p = vfma(p, f, S::splat(5.550327226669895e-02f));
+    p = vfma(p, f, S::splat(2.4022650922289554e-01f));
+    p = vfma(p, f, S::splat(6.931472067028329e-01f));
+  }
   p = vfma(p, f, S::splat(1.0f));
   vi e;
   std::memcpy(&e, &t, sizeof e);
@@ -69,6 +122,7 @@ DIMATTN_INLINE vf vexp2(vf x) {
 }
 
 // float64 is the test dtype: exact library exp2 per lane.
+template <bool kCoarse = false>
 DIMATTN_INLINE vd vexp2(vd x) {
   vd r;
   for (int l = 0; l < Simd<double>::W; ++l) r[l] = std::exp2(x[l]);
@@ -93,27 +147,23 @@ T row_max(const T* s, int64_t n) {
     const V x = vload<V>(s + j);
     m = vmax(x, m);
   }
-  T r = m[0];
-  for (int l = 1; l < S::W; ++l) r = std::max(r, static_cast<T>(m[l]));
-  return r;
+  return hmax(m);
 }
 
-// s[j] = 2^(s[j] * mul - sub); returns the sum (fixed order: lanes, then
-// vectors left to right).
-template <class T>
+// s[j] = 2^(s[j] * mul - sub) (vexp2<kCoarse>); returns the sum (fixed order:
+// vectors left to right, then the lanes by halving).
+template <bool kCoarse = false, class T>
 T exp2_row(T* s, int64_t n, T mul, T sub) {
   using S = Simd<T>;
   using V = typename S::V;
   const V vm = S::splat(mul), vs = S::splat(-sub);
   V acc = V{};
   for (int64_t j = 0; j < n; j += S::W) {
-    const V e = vexp2(vfma(vload<V>(s + j), vm, vs));
+    const V e = vexp2<kCoarse>(vfma(vload<V>(s + j), vm, vs));
     vstore(s + j, e);
     acc += e;
   }
-  T r = acc[0];
-  for (int l = 1; l < S::W; ++l) r += acc[l];
-  return r;
+  return hsum(acc);
 }
 
 template <class T>

@@ -52,6 +52,9 @@ struct KernelEntry {
 
   // Whether it has the function `use` needs; else why not (for the rejection).
   GateResult serves(KernelUse use) const;
+  // The code path the kernel runs for params (Decision::isa); empty for a
+  // kernel with one.
+  std::function<std::string(const AttentionParams&)> isa;
 };
 using KernelTable = std::vector<KernelEntry>;
 

@@ -1,0 +1,292 @@
+// bfloat16 products as pairs (the avx512_bf16 path): vdpbf16ps multiplies
+// the two bfloat16 of each 32-bit lane of A and B exactly and adds both
+// products to a float32 accumulator, so that one instruction does two
+// multiply-adds per lane. Every product of the passes has a k dimension
+// (head dim, kv positions, or query rows); its operands are packed with
+// consecutive k in the two halves of a 32-bit word (Bf16Pair), and gemm's
+// kdim counts pairs. q, k, v and dO are bfloat16 already, so S = Q K^T and
+// dP = dO V^T are exact products summed in float32; the weights P (for
+// P V and P^T dO) and dS (for dS K and dS^T Q) are rounded to bfloat16 first,
+// as FlashAttention does on GPUs (its error bound: docs/numerics.md).
+//
+// The includer provides (flash_attention_x86.h with DIMATTN_X86_PAIRS):
+//   dot_pairs(acc, a, b)   acc + per lane a.lo * b.lo + a.hi * b.hi (vdpbf16ps)
+//   round_pairs(lo, hi)    the 32 floats lo[0..W), hi[0..W) rounded to bfloat16
+//                          (nearest even) in that order: lane l holds elements 2l, 2l + 1
+//   interleave_pairs(a, b) lane l holds (bfloat16(a[l]), bfloat16(b[l]))
+// A part of cpu/flash_attention_impl.h, which says what includes it and how.
+#ifndef DIMATTN_CPU_FLASH_PARTS
+#error "included by cpu/flash_attention_impl.h only"
+#endif
+
+// Two bfloat16: the element of the lower k in the low half.
+struct Bf16Pair {
+  uint32_t bits;
+};
+
+template <>
+struct Mac<Bf16Pair> {
+  using V = vi;
+  static constexpr int64_t kPack = 2;
+  static DIMATTN_INLINE V load(const Bf16Pair* p) { return vload<vi>(p); }
+  static DIMATTN_INLINE V bcast(Bf16Pair x) { return static_cast<int32_t>(x.bits) - vi{}; }
+  static DIMATTN_INLINE vf mac(vf acc, vi a, vi b) { return dot_pairs(acc, a, b); }
+};
+
+constexpr int64_t kPairPanel = panel_width<Bf16Pair>();
+static_assert(kPairPanel == 2 * Simd<float>::W, "a pair panel is as wide as a float one");
+
+// W bfloat16 in one half-width vector.
+typedef uint16_t vbf __attribute__((vector_size(sizeof(vi) / 2)));
+
+DIMATTN_INLINE const Bf16Pair* as_pairs(const uint16_t* p) { return reinterpret_cast<const Bf16Pair*>(p); }
+
+// ---------------------------------------------------------------------------
+// Packing bfloat16 operands.
+
+// dst[r * ldd + c] = src[r * srs + c] for c < cols, 0 for cols <= c < ldd:
+// rows of pairs along the row (A operands: q, dO). pre: ldd even, >= cols.
+inline void pack_bf16_rows(const uint16_t* src, int64_t srs, int64_t rows, int64_t cols, uint16_t* dst, int64_t ldd) {
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(dst + r * ldd, src + r * srs, static_cast<size_t>(cols) * 2);
+    std::memset(dst + r * ldd + cols, 0, static_cast<size_t>(ldd - cols) * 2);
+  }
+}
+
+// B = src^T as pairs: element (pair t, j) of B is (src[j][2t], src[j][2t + 1])
+// (0 past cols), for j < rows, 0 for rows <= j < pad_rows, in panel-major
+// form (BMat) with round_up(cols, 2) / 2 pairs per panel row. The 32-bit
+// words of 8 rows go through transpose8x8 as they are (bit-exact shuffles).
+// pre: pad_rows % W == 0.
+inline void pack_pairs_transposed(const uint16_t* src, int64_t srs, int64_t rows, int64_t pad_rows, int64_t cols,
+                                  Bf16Pair* dst) {
+  constexpr int64_t P = kPairPanel;
+  const int64_t kp = (cols + 1) / 2, full = cols / 2;  // pairs, and pairs with both halves in the row
+  auto at = [&](int64_t t, int64_t j) -> Bf16Pair& { return dst[(j / P) * kp * P + t * P + j % P]; };
+  auto word = [&](int64_t j, int64_t t) {
+    Bf16Pair w;
+    if (2 * t + 1 < cols) {
+      std::memcpy(&w.bits, src + j * srs + 2 * t, 4);
+    } else {
+      w.bits = src[j * srs + 2 * t];  // an odd last element: its partner is 0
+    }
+    return w;
+  };
+  int64_t j = 0;
+  for (; j + 8 <= rows; j += 8) {
+    int64_t t = 0;
+    for (; t + 8 <= full; t += 8) {
+      vf8 in[8], out[8];
+      for (int r = 0; r < 8; ++r) in[r] = vload<vf8>(src + (j + r) * srs + 2 * t);
+      transpose8x8(in, out);
+      for (int r = 0; r < 8; ++r) vstore(&at(t + r, j), out[r]);
+    }
+    for (; t < kp; ++t)
+      for (int r = 0; r < 8; ++r) at(t, j + r) = word(j + r, t);
+  }
+  for (; j < rows; ++j)
+    for (int64_t t = 0; t < kp; ++t) at(t, j) = word(j, t);
+  for (; j < pad_rows; ++j)
+    for (int64_t t = 0; t < kp; ++t) at(t, j) = Bf16Pair{0};
+}
+
+// B as pairs of rows: element (pair t, c) is (src[2t][c], src[2t + 1][c]),
+// the second 0 past `rows`, 0 for cols <= c < round_up(cols, W), laid out
+// as `b` says (panel-major, or row-major: BMat's ld and panel). Used for the
+// operands whose k is the row: v (P V), k (dS K), dO (X^T dO), q (dS^T Q).
+inline void pack_pairs_rows(const uint16_t* src, int64_t srs, int64_t rows, int64_t cols, Bf16Pair* dst,
+                            int64_t ld, int64_t panel) {
+  constexpr int64_t P = kPairPanel, W = Simd<float>::W;
+  const int64_t cp = round_up(std::max<int64_t>(cols, 1), W);
+  for (int64_t t = 0; t < (rows + 1) / 2; ++t) {
+    const uint16_t* r0 = src + 2 * t * srs;
+    const uint16_t* r1 = 2 * t + 1 < rows ? r0 + srs : nullptr;
+    for (int64_t c0 = 0; c0 < cp; c0 += W) {
+      Bf16Pair* d = dst + (c0 / P) * panel + t * ld + c0 % P;
+      if (c0 + W <= cols) {
+        const vi lo = __builtin_convertvector(vload<vbf>(r0 + c0), vi);
+        const vi hi = r1 ? __builtin_convertvector(vload<vbf>(r1 + c0), vi) << 16 : vi{};
+        vstore(d, lo | hi);
+      } else {
+        for (int64_t c = 0; c < W; ++c) {
+          const uint32_t lo = c0 + c < cols ? r0[c0 + c] : 0, hi = r1 && c0 + c < cols ? r1[c0 + c] : 0;
+          d[c].bits = lo | hi << 16;
+        }
+      }
+    }
+  }
+}
+
+// float rows -> bfloat16 rows: dst[r * ldd + c] = bf16(src[r * lds + c]) for
+// c < n. pre: n % W == 0.
+inline void round_rows(const float* src, int64_t lds, int64_t rows, int64_t n, uint16_t* dst, int64_t ldd) {
+  constexpr int64_t W = Simd<float>::W;
+  using V = Simd<float>::V;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = src + r * lds;
+    uint16_t* d = dst + r * ldd;
+    int64_t c = 0;
+    for (; c + 2 * W <= n; c += 2 * W) vstore(d + c, round_pairs(vload<V>(s + c), vload<V>(s + c + W)));
+    if (c < n) {  // one vector left: its pairs, the upper half's zeros not stored
+      const vi x = round_pairs(vload<V>(s + c), V{});
+      std::memcpy(d + c, &x, W * 2);
+    }
+  }
+}
+
+// float rows -> pairs of rows: dst[t * ldd + c] = (bf16(src[2t][c]),
+// bf16(src[2t + 1][c])), the second 0 past `rows`, for c < n (a transposed
+// A operand of k = rows). pre: n % W == 0.
+inline void interleave_rows(const float* src, int64_t lds, int64_t rows, int64_t n, Bf16Pair* dst, int64_t ldd) {
+  constexpr int64_t W = Simd<float>::W;
+  using V = Simd<float>::V;
+  for (int64_t t = 0; t < (rows + 1) / 2; ++t) {
+    const float* s0 = src + 2 * t * lds;
+    const bool two = 2 * t + 1 < rows;
+    for (int64_t c = 0; c < n; c += W)
+      vstore(dst + t * ldd + c, interleave_pairs(vload<V>(s0 + c), two ? vload<V>(s0 + lds + c) : V{}));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The forward pass's operands as pairs (see ForwardOperands, products.h):
+// q rows as they are (the log2 scale goes on the float scores), k transposed
+// pairs, v pairs of rows, and the weights rounded to bfloat16 for P V.
+
+template <>
+struct ForwardOperands<uint16_t, float> {
+  static constexpr bool kRoundedWeights = true;
+  static constexpr bool kDirect = false;
+  using VMat = BMat<Bf16Pair>;
+  int64_t D, bk, ldk, ldq;  // ldq: bfloat16 per q row (D made even)
+  int64_t kslot, vslot;     // floats (= pairs) per packed k and v tile
+  float qmul = 1;
+  uint16_t* q;
+  Bf16Pair *kt, *vs;
+  uint16_t* pw;  // the weights of a block in bfloat16, [bq][ldk]
+
+  static int64_t k_elements(int64_t D, int64_t ldk) { return (D + 1) / 2 * round_up(ldk, kPairPanel); }
+  static int64_t v_elements(int64_t bk, int64_t dvp) { return (bk + 1) / 2 * round_up(dvp, kPairPanel); }
+  static int64_t need(int64_t bq, int64_t bk, int64_t D, int64_t ldk, int64_t dvp, int64_t slots) {
+    return Arena<float>::need(
+        {bq * ((D + 1) / 2), slots * k_elements(D, ldk), slots * v_elements(bk, dvp), bq * ldk / 2});
+  }
+  ForwardOperands(Arena<float>& arena, int64_t bq, int64_t bk_, int64_t D_, int64_t ldk_, int64_t dvp, int64_t slots)
+      : D(D_), bk(bk_), ldk(ldk_), ldq(round_up(D_, 2)), kslot(k_elements(D_, ldk_)), vslot(v_elements(bk_, dvp)) {
+    q = reinterpret_cast<uint16_t*>(arena.take(bq * ((D + 1) / 2)));
+    kt = reinterpret_cast<Bf16Pair*>(arena.take(slots * kslot));
+    vs = reinterpret_cast<Bf16Pair*>(arena.take(slots * vslot));
+    pw = reinterpret_cast<uint16_t*>(arena.take(bq * ldk / 2));
+  }
+
+  // q as it is: the log2 scale goes on the float32 scores (score_mul), not
+  // into a second rounding of q.
+  void pack_q(const uint16_t* src, int64_t rs, int64_t m, float mul) {
+    qmul = mul;
+    pack_bf16_rows(src, rs, m, D, q, ldq);
+  }
+  float score_mul() const { return qmul; }
+  void pack_tile(int64_t slot, const uint16_t* k, int64_t krs, const uint16_t* v, int64_t vrs, int64_t n, int64_t Dv) {
+    pack_pairs_transposed(k, krs, n, round_up(n, Simd<float>::W), D, kt + slot * kslot);
+    pack_pairs_rows(v, vrs, n, Dv, vs + slot * vslot, kPairPanel, (bk + 1) / 2 * kPairPanel);
+  }
+  void prefetch_tile(int64_t slot, int64_t part, int64_t parts) const {
+    prefetch_part(kt + slot * kslot, kslot * 4, part, parts);
+    prefetch_part(vs + slot * vslot, vslot * 4, part, parts);
+  }
+  void scores(int64_t slot, int64_t m, int64_t np, float* s, const int64_t* nvs) const {
+    gemm_set(m, np, ldq / 2, as_pairs(q), ldq / 2, panel_major(kt + slot * kslot, ldq / 2), s, ldk,
+             Ragged{nvs, nullptr, nullptr});
+  }
+  VMat v_tile(int64_t slot) const { return panel_major(vs + slot * vslot, (bk + 1) / 2); }
+  // Each row rounded as soon as it is final, while it is in L1.
+  void weights_ready(int64_t r, const float* w, int64_t np) { round_rows(w, ldk, 1, np, pw + r * ldk, ldk); }
+  void add_pv(int64_t m, int64_t n, float* /*w: rounded in pw*/, const VMat& v, float* o, int64_t dvp,
+              const int64_t* nvs) {
+    // (n + 1) / 2 pairs: the tile's v holds no more (w is 0 past n).
+    gemm_add(m, dvp, (n + 1) / 2, as_pairs(pw), ldk / 2, v, o, dvp, Ragged{nullptr, nullptr, nvs});
+  }
+};
+
+// ---------------------------------------------------------------------------
+// The backward pass's operands as pairs (see BackwardOperands, products.h).
+// q and dO twice: rows (A of Q K^T and dO V^T) and pairs of rows (B of
+// dS^T Q and X^T dO); the tile's k transposed (B of Q K^T) and as pairs of
+// rows (B of dS K), v transposed (B of dO V^T); and per block X and dS
+// rounded to bfloat16: pairs of rows (A^T of X^T dO and dS^T Q) and dS rows
+// (A of dS K). Blocks start at even rows, so that the pairs of rows of a
+// block are those of the task.
+
+template <>
+struct BackwardOperands<uint16_t, float> {
+  static constexpr bool kRoundedWeights = true;
+  static constexpr int64_t kRowStep = 2;
+  int64_t D, Dv, dp, dvp, bk, ldk, ldq, ldo;  // ldq, ldo: bfloat16 per q and dO row (D, Dv made even)
+  uint16_t *q, *dout;           // rows, [Tq][ldq], [Tq][ldo]
+  Bf16Pair *qpairs, *dopairs;   // pairs of rows, [Tq / 2][dp], [Tq / 2][dvp]
+  Bf16Pair *kt, *kr, *vt;       // the tile
+  Bf16Pair *xi, *dsi;           // X and dS as pairs of rows, [bq / 2][ldk]
+  uint16_t* dsr;                // dS rows, [bq][ldk]
+
+  static int64_t need(int64_t Tq, int64_t D, int64_t Dv, int64_t dp, int64_t dvp, int64_t bk, int64_t ldk,
+                      int64_t bq) {
+    const int64_t pairs = (Tq + 1) / 2, hq = (bq + 1) / 2;
+    return Arena<float>::need({Tq * ((D + 1) / 2), Tq * ((Dv + 1) / 2), pairs * dp, pairs * dvp,
+                               (D + 1) / 2 * round_up(ldk, kPairPanel), (bk + 1) / 2 * round_up(dp, kPairPanel),
+                               (Dv + 1) / 2 * round_up(ldk, kPairPanel), hq * ldk, hq * ldk, bq * ldk / 2});
+  }
+  BackwardOperands(Arena<float>& arena, int64_t Tq, int64_t D_, int64_t Dv_, int64_t dp_, int64_t dvp_, int64_t bk_,
+                   int64_t ldk_, int64_t bq)
+      : D(D_), Dv(Dv_), dp(dp_), dvp(dvp_), bk(bk_), ldk(ldk_), ldq(round_up(D_, 2)), ldo(round_up(Dv_, 2)) {
+    auto pairs_of = [&](int64_t n) { return reinterpret_cast<Bf16Pair*>(arena.take(n)); };
+    const int64_t rows2 = (Tq + 1) / 2, hq = (bq + 1) / 2;
+    q = reinterpret_cast<uint16_t*>(arena.take(Tq * (ldq / 2)));
+    dout = reinterpret_cast<uint16_t*>(arena.take(Tq * (ldo / 2)));
+    qpairs = pairs_of(rows2 * dp);
+    dopairs = pairs_of(rows2 * dvp);
+    kt = pairs_of(ldq / 2 * round_up(ldk, kPairPanel));
+    kr = pairs_of((bk + 1) / 2 * round_up(dp, kPairPanel));
+    vt = pairs_of(ldo / 2 * round_up(ldk, kPairPanel));
+    xi = pairs_of(hq * ldk);
+    dsi = pairs_of(hq * ldk);
+    dsr = reinterpret_cast<uint16_t*>(arena.take(bq * ldk / 2));
+  }
+
+  void pack_task_rows(const uint16_t* q_rows, int64_t qrs, const uint16_t* dout_rows, int64_t drs, int64_t rows) {
+    pack_bf16_rows(q_rows, qrs, rows, D, q, ldq);
+    pack_bf16_rows(dout_rows, drs, rows, Dv, dout, ldo);
+    pack_pairs_rows(q_rows, qrs, rows, D, qpairs, dp, kPairPanel);
+    pack_pairs_rows(dout_rows, drs, rows, Dv, dopairs, dvp, kPairPanel);
+  }
+  void pack_tile(const uint16_t* k, int64_t krs, const uint16_t* v, int64_t vrs, int64_t n, int64_t np) {
+    pack_pairs_transposed(k, krs, n, np, D, kt);
+    pack_pairs_rows(k, krs, n, D, kr, kPairPanel, (bk + 1) / 2 * kPairPanel);
+    pack_pairs_transposed(v, vrs, n, np, Dv, vt);
+  }
+  void prefetch_rows(int64_t r0, int64_t n, int64_t part, int64_t parts) const {
+    prefetch_part(q + r0 * ldq, n * ldq * 2, part, parts);
+    prefetch_part(dout + r0 * ldo, n * ldo * 2, part, parts);
+    prefetch_part(qpairs + r0 / 2 * dp, (n + 1) / 2 * dp * 4, part, parts);
+    prefetch_part(dopairs + r0 / 2 * dvp, (n + 1) / 2 * dvp * 4, part, parts);
+  }
+  void scores(int64_t r0, int64_t mm, int64_t np, float* s, const int64_t* nvs) const {
+    gemm_set(mm, np, ldq / 2, as_pairs(q + r0 * ldq), ldq / 2, panel_major(kt, ldq / 2), s, ldk,
+             Ragged{nvs, nullptr, nullptr});
+  }
+  void dprobs(int64_t r0, int64_t mm, int64_t np, float* dpt, const int64_t* nvs) const {
+    gemm_set(mm, np, ldo / 2, as_pairs(dout + r0 * ldo), ldo / 2, panel_major(vt, ldo / 2), dpt, ldk,
+             Ragged{nvs, nullptr, nullptr});
+  }
+  // pre: r0 even (kRowStep).
+  void accumulate(int64_t r0, int64_t mm, int64_t n, const float* x, const float* ds, float* dv, float* dk, float* dq,
+                  const int64_t* kbeg, const int64_t* nvs) {
+    const int64_t np = round_up(n, Simd<float>::W), hm = (mm + 1) / 2;
+    interleave_rows(x, ldk, mm, np, xi, ldk);
+    interleave_rows(ds, ldk, mm, np, dsi, ldk);
+    round_rows(ds, ldk, mm, np, dsr, ldk);
+    gemm_add_at(n, dvp, hm, xi, ldk, row_major(dopairs + r0 / 2 * dvp, dvp), dv, dvp, Ragged{nullptr, kbeg, nullptr});
+    gemm_add_at(n, dp, hm, dsi, ldk, row_major(qpairs + r0 / 2 * dp, dp), dk, dp, Ragged{nullptr, kbeg, nullptr});
+    gemm_add(mm, dp, (n + 1) / 2, as_pairs(dsr), ldk / 2, panel_major(kr, (bk + 1) / 2), dq, dp,
+             Ragged{nullptr, nullptr, nvs});
+  }
+};
