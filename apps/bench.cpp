@@ -31,7 +31,7 @@ const char* const kSummary =
     "time=T/4, feat} vs encoder {batch, heads, enc=T, feat}); B=8, 8 heads, D=64, on every\n"
     "available device and registered backend. Prints a table on stdout (progress on stderr\n"
     "when it is a terminal). Kernels that cannot run a config are listed with the reason.\n"
-    "Variant options (--window-left, --softcap, --bias, ...) apply to every config that can\n"
+    "Variant options (--window, --alibi, --bias, ...) apply to every config that can\n"
     "take them; a config that cannot (a bias over the query time in self-attention, a right\n"
     "window with causal) is left out.";
 

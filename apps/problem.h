@@ -26,9 +26,10 @@ using testing::run_forced;
 // case library's rule; the CLI also wants non-negative offsets).
 void validate(const AttentionCase& p);
 
-// The attention variants as options (--window-left, --softcap, --alibi,
-// --sinks, --bias, --mask, ...), shared by the subcommands that describe a
-// call, and their values applied to a case.
+// The attention variants as options (one per scalar variant, made from
+// AttentionVariants' fields: --window LEFT:RIGHT, --NAME X, --NAME; --alibi,
+// --sinks, --bias, --mask: tensors made per case), shared by the subcommands
+// that describe a call, and their values applied to a case.
 std::vector<Option> with_variant_options(std::vector<Option> options);
 void apply_variants(const Args& a, testing::CaseVariants& p);
 

@@ -43,14 +43,14 @@ BENCHMARK(BM_SelfAttention)
 
 // A lookup whose decision is cached: what every call after the first pays.
 void BM_SelectionCacheHit(benchmark::State& state) {
-  const std::vector<KernelCandidate> candidates = {
-      {"aten_flash_cpu", [](const AttentionParams&) { return GateResult::pass(); }},
-      {"reference", [](const AttentionParams&) { return GateResult::pass(); }}};
+  const KernelTable table = {
+      {.name = "aten_flash_cpu", .device = DeviceType::cpu, .gate = [](const AttentionParams&) { return GateResult::pass(); }},
+      reference_entry(DeviceType::cpu)};
   AttentionParams p;
   p.head_dim_qk = p.head_dim_v = 64;
   p.forced = "auto";
-  select_kernel("bench", p, candidates);
-  for (auto _ : state) benchmark::DoNotOptimize(select_kernel("bench", p, candidates).kernel.size());
+  select_kernel("bench", p, table, KernelUse::run);
+  for (auto _ : state) benchmark::DoNotOptimize(select_kernel("bench", p, table, KernelUse::run).kernel.size());
 }
 BENCHMARK(BM_SelectionCacheHit);
 

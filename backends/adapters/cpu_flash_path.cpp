@@ -31,15 +31,6 @@ void run_kernel(F&& f) {
 
 }  // namespace
 
-KernelEntry cpu_flash_entry() {
-  return {"cpu_flash", DeviceType::cpu, cpu_flash_gate, {.last_dim_unit_stride = true},
-          [](Backend& be, const AttentionCall& c, const AttentionPlan& plan) {
-            const KernelForm* form = form_in(plan);
-            return cpu_flash_attention(be, c, form ? *form : host_kernel_form(be, c), default_parallel_for());
-          },
-          cpu_flash_isa};
-}
-
 std::string cpu_flash_isa(const AttentionParams& p) {
   std::string isa;
   run_kernel([&] { isa = kernels::cpu_isa_name(kernels::cpu_flash_isa(kernel_element_type(p.dtype))); });
@@ -79,7 +70,7 @@ FlashGrads flash_backward(Backend& be, const AttentionCall& c, const FlashLayout
   const HostView dq = host(be, g.q), dk = host(be, g.k), dv = host(be, g.v);
   FlashParams pr;
   flash_params(pr, c, l, q, k, v);
-  const bool want_dbias = c.bias && (!be.has_autograd() || c.bias->requires_grad());
+  const bool want_dbias = c.variants.bias && (!be.has_autograd() || c.variants.bias->requires_grad());
   const ScoreOperands so = score_operands(be, c, pr, host_memory(be), want_dbias);
   set_forward_outputs(pr.p, out, lse);
   set_backward_tensors(pr.p, d, dq, dk, dv);
@@ -89,37 +80,21 @@ FlashGrads flash_backward(Backend& be, const AttentionCall& c, const FlashLayout
   return {g, std::move(pr.dsinks), dbias};
 }
 
-Tensor cpu_flash_attention(Backend& be, const AttentionCall& c, const KernelForm& form, const kernels::ParallelFor& pf) {
-  const FlashForward fwd = flash_forward(be, c, form.layout, flash_inputs(be, c, form), pf);
-  return flash_output(be, c, fwd.out);
-}
-
 namespace {
 
-// What cpu_flash needs of a call outside the kernel table: host memory and
-// its gate.
-void check_host_call(Backend& be, const AttentionCall& c, const char* op) {
-  DIMATTN_CHECK(c.query.device().type == DeviceType::cpu && be.host_view(c.query.raw()).has_value(), op,
-                "runs dimattn's CPU kernel and needs CPU tensors whose backend exposes host memory; got ",
-                c.query.repr(), " (the torch backend runs CUDA tensors on cuda_flash)");
-  const GateResult gate = cpu_flash_gate(attention_params(c, LayoutClass::separate, false));
-  DIMATTN_CHECK(gate.ok, op, "cpu_flash cannot run this call: ", gate.reason);
+// The call's kernel form: its plan's (the Eigen and torch backends' plans
+// carry one), else derived from host memory.
+KernelForm form_of(Backend& be, const AttentionCall& c, const AttentionPlan& plan) {
+  const KernelForm* form = form_in(plan);
+  return form ? *form : host_kernel_form(be, c);
 }
 
-}  // namespace
-
-AttentionBlockResult cpu_flash_attention_block(Backend& be, const AttentionCall& c, const kernels::ParallelFor& pf) {
-  check_host_call(be, c, "dot_attention_block");
-  const KernelForm form = host_kernel_form(be, c);
-  const FlashForward fwd = flash_forward(be, c, form.layout, flash_inputs(be, c, form), pf);
-  return block_result(be, c, fwd.out, fwd.lse);
-}
-
-AttentionCallGrads cpu_flash_attention_backward(Backend& be, const AttentionCall& c, const Tensor& grad_output,
-                                                const AttentionBlockResult* merged, const kernels::ParallelFor& pf) {
-  const char* op = merged ? "dot_attention_block_backward" : "dot_attention_backward";
-  check_host_call(be, c, op);
-  const KernelForm form = host_kernel_form(be, c);
+// The gradients of a call (merged null) or of a block (merged: the whole
+// attention's output and lse for its rows); grad_output over the call's
+// output dims.
+AttentionCallGrads backward_of(Backend& be, const AttentionCall& c, const KernelForm& form, const Tensor& grad_output,
+                               const AttentionBlockResult* merged, const kernels::ParallelFor& pf) {
+  const char* op = kernel_use_op(merged ? KernelUse::block_backward : KernelUse::backward);
   const FlashLayout& l = form.layout;
   const FlashInputs in = flash_inputs(be, c, form);
   const FlashForward fwd =
@@ -127,13 +102,29 @@ AttentionCallGrads cpu_flash_attention_backward(Backend& be, const AttentionCall
                             in_kernel_form(be, c, l, merged->lse, "the merged lse", false, lse_dtype_of(c), op)}
              : flash_forward(be, c, l, in, pf);
   const RawPtr dout4 = in_kernel_form(be, c, l, grad_output, "grad_output", true, c.query.dtype(), op);
-  const FlashGrads grads = flash_backward(be, c, l, in, fwd, dout4, pf);
-  return call_grads(be, c, grads.inputs, grads.dsinks, grads.dbias);
+  return call_grads(be, c, flash_backward(be, c, l, in, fwd, dout4, pf));
 }
 
-namespace {
-std::atomic<int> g_threads{0};
 }  // namespace
+
+KernelEntry cpu_flash_entry(kernels::ParallelFor (*pool)()) {
+  KernelEntry e{.name = "cpu_flash", .device = DeviceType::cpu, .gate = cpu_flash_gate,
+                .layout = {.last_dim_unit_stride = true}, .isa = cpu_flash_isa};
+  e.run = [pool](Backend& be, const AttentionCall& c, const AttentionPlan& plan) {
+    const KernelForm form = form_of(be, c, plan);
+    return flash_output(be, c, flash_forward(be, c, form.layout, flash_inputs(be, c, form), pool()).out);
+  };
+  e.block = [pool](Backend& be, const AttentionCall& c, const AttentionPlan& plan) {
+    const KernelForm form = form_of(be, c, plan);
+    const FlashForward fwd = flash_forward(be, c, form.layout, flash_inputs(be, c, form), pool());
+    return block_result(be, c, fwd.out, fwd.lse);
+  };
+  e.backward = [pool](Backend& be, const AttentionCall& c, const AttentionPlan& plan, const Tensor& grad_output,
+                      const AttentionBlockResult* merged) {
+    return backward_of(be, c, form_of(be, c, plan), grad_output, merged, pool());
+  };
+  return e;
+}
 
 kernels::ParallelFor default_parallel_for() {
   // One pool per thread count, kept for the process: a call may still be
@@ -148,15 +139,3 @@ kernels::ParallelFor default_parallel_for() {
 }
 
 }  // namespace dimattn::detail
-
-namespace dimattn {
-
-void set_cpu_threads(int n) { detail::g_threads = n; }
-
-int cpu_threads() {
-  if (const int n = detail::g_threads; n > 0) return n;
-  if (const char* env = std::getenv("DIMATTN_NUM_THREADS"); env && std::atoi(env) > 0) return std::atoi(env);
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-}
-
-}  // namespace dimattn

@@ -19,12 +19,6 @@ namespace {
 
 constexpr const char* kOp = "dot_attention";
 
-int64_t product(const Dims& dims) {
-  int64_t n = 1;
-  for (const Dim& d : dims) n *= d.extent();
-  return n;
-}
-
 HostView host(Backend& be, const RawPtr& x) {
   std::optional<HostView> v = be.host_view(x);
   DIMATTN_CHECK(v.has_value(), kOp, "backend '", be.name(), "' does not expose host memory for cpu_flash");
@@ -164,16 +158,16 @@ void flash_params(FlashParams& pr, const AttentionCall& c, const FlashLayout& l,
   p.rng_offset = static_cast<uint32_t>(c.dropout_offset);
   p.dropout_q_position = c.dropout_q_position;
   p.dropout_kv_position = c.dropout_kv_position;
-  p.bounds = {c.window_left, c.window_right};
-  p.score.softcap = c.softcap;
+  if (const std::optional<AttentionWindow>& w = c.variants.window) p.bounds = {w->left.value_or(-1), w->right.value_or(-1)};
+  p.score.softcap = c.variants.softcap.value_or(0.0);
   const int64_t H = l.Hkv * l.G;
   auto per_head = [&](const Tensor& t, std::vector<double>& out) {
     out = host_values(t, per_head_dims(c));
     return kernels::HeadValues{out.data(), H, 1};
   };
-  if (c.alibi_slopes) p.score.alibi = per_head(*c.alibi_slopes, pr.slopes);
-  if (c.sinks) {
-    p.score.sinks = per_head(*c.sinks, pr.sinks);
+  if (c.variants.alibi_slopes) p.score.alibi = per_head(*c.variants.alibi_slopes, pr.slopes);
+  if (c.variants.sinks) {
+    p.score.sinks = per_head(*c.variants.sinks, pr.sinks);
     pr.dsinks.assign(static_cast<size_t>(l.B * H), 0.0);
     p.score.dsinks = pr.dsinks.data();
   }
@@ -223,15 +217,15 @@ ScoreOperands score_operands(Backend& be, const AttentionCall& c, FlashParams& p
                              bool dense_bias) {
   ScoreOperands s;
   kernels::AttentionKernelParams& p = pr.p;
-  if (c.bias) {
+  if (c.variants.bias) {
     const DType acc = accumulation_dtype(c);
-    s.bias = c.bias->dtype() == acc ? c.bias->raw() : be.cast(c.bias->raw(), acc);
+    s.bias = c.variants.bias->dtype() == acc ? c.variants.bias->raw() : be.cast(c.variants.bias->raw(), acc);
     if (dense_bias) s.bias = be.contiguous(s.bias);
-    p.score.bias = score_planes(c, *c.bias, mem(s.bias), pr.bias_offsets);
+    p.score.bias = score_planes(c, *c.variants.bias, mem(s.bias), pr.bias_offsets);
   }
-  if (c.mask) {
-    s.mask = c.mask->raw();
-    p.score.mask = score_planes(c, *c.mask, mem(s.mask), pr.mask_offsets);
+  if (c.variants.mask) {
+    s.mask = c.variants.mask->raw();
+    p.score.mask = score_planes(c, *c.variants.mask, mem(s.mask), pr.mask_offsets);
   }
   return s;
 }
@@ -240,7 +234,7 @@ RawPtr bias_gradient_buffer(Backend& be, FlashParams& pr, const AttentionCall& c
                             Device device) {
   Shape shape;
   int64_t n = 1;
-  for (const Dim& d : c.bias->dims()) shape.push_back(d.extent()), n *= d.extent();
+  for (const Dim& d : c.variants.bias->dims()) shape.push_back(d.extent()), n *= d.extent();
   RawPtr dbias = be.full(shape, 0.0, accumulation_dtype(c), device);
   // Laid out as the contiguous bias of score_operands: its offsets and strides hold.
   kernels::AttentionKernelParams& p = pr.p;
@@ -250,7 +244,7 @@ RawPtr bias_gradient_buffer(Backend& be, FlashParams& pr, const AttentionCall& c
 }
 
 Tensor bias_gradient(Backend& be, const AttentionCall& c, const RawPtr& dbias) {
-  const Tensor& bias = *c.bias;
+  const Tensor& bias = *c.variants.bias;
   const RawPtr g = bias.dtype() == accumulation_dtype(c) ? dbias : be.cast(dbias, bias.dtype());
   return Tensor(bias.dims(), bias.dtype(), bias.device(), g, &be);
 }
@@ -258,7 +252,7 @@ Tensor bias_gradient(Backend& be, const AttentionCall& c, const RawPtr& dbias) {
 Dims per_head_dims(const AttentionCall& c) { return join({batch_head_dims(c), c.query_groups}); }
 
 Tensor sinks_gradient(Backend& be, const AttentionCall& c, const std::vector<double>& dsinks) {
-  const Tensor& sinks = *c.sinks;
+  const Tensor& sinks = *c.variants.sinks;
   // Each flat index's position in the sinks' own row-major order.
   Shape shape;
   for (const Dim& d : sinks.dims()) shape.push_back(d.extent());
@@ -425,15 +419,14 @@ AttentionBlockResult block_result(Backend& be, const AttentionCall& c, const Raw
   return {flash_output(be, c, out4), named(be, c, lse3, kernel_output_order(c, false), lse_dtype_of(c))};
 }
 
-AttentionCallGrads call_grads(Backend& be, const AttentionCall& c, const FlashInputs& g,
-                              const std::vector<double>& dsinks, const RawPtr& dbias) {
+AttentionCallGrads call_grads(Backend& be, const AttentionCall& c, const FlashGrads& g) {
   const Dims kv_heads = batch_head_dims(c);
   const DType dt = c.query.dtype();
-  return {named(be, c, g.q, join({kv_heads, c.query_groups, {c.query_spatial, c.key_dim}}), dt),
-          named(be, c, g.k, join({kv_heads, {c.kv_spatial, c.key_dim}}), dt),
-          named(be, c, g.v, join({kv_heads, {c.kv_spatial}, c.value_feature}), dt),
-          c.sinks ? std::optional<Tensor>(sinks_gradient(be, c, dsinks)) : std::nullopt,
-          c.bias ? std::optional<Tensor>(bias_gradient(be, c, dbias)) : std::nullopt};
+  return {named(be, c, g.inputs.q, join({kv_heads, c.query_groups, {c.query_spatial, c.key_dim}}), dt),
+          named(be, c, g.inputs.k, join({kv_heads, {c.kv_spatial, c.key_dim}}), dt),
+          named(be, c, g.inputs.v, join({kv_heads, {c.kv_spatial}, c.value_feature}), dt),
+          c.variants.sinks ? std::optional<Tensor>(sinks_gradient(be, c, g.dsinks)) : std::nullopt,
+          c.variants.bias ? std::optional<Tensor>(bias_gradient(be, c, g.dbias)) : std::nullopt};
 }
 
 }  // namespace dimattn::detail

@@ -157,9 +157,16 @@ RawPtr in_kernel_form(Backend& be, const AttentionCall& c, const FlashLayout& l,
                       bool with_features, DType dtype, const char* op);
 // The kernel's out [B, H, Tq, Dv] and lse [B, H, Tq] as a block's result.
 AttentionBlockResult block_result(Backend& be, const AttentionCall& c, const RawPtr& out4, const RawPtr& lse3);
-// The kernel's dq, dk, dv (flash_inputs' shapes), d(sinks) per (b, h) and
-// d(bias) (bias_gradient_buffer's; null without) as the call's gradients.
-AttentionCallGrads call_grads(Backend& be, const AttentionCall& c, const FlashInputs& g,
-                              const std::vector<double>& dsinks, const RawPtr& dbias);
+// What a fused backward pass gives: dq, dk, dv in the shapes of
+// flash_inputs' q, k, v; with sinks, d(sinks) per (b, h) (sinks_gradient
+// names it); with a bias whose gradient is wanted, d(bias) as
+// bias_gradient_buffer lays it out (else null).
+struct FlashGrads {
+  FlashInputs inputs;
+  std::vector<double> dsinks;
+  RawPtr dbias;
+};
+// Those as the call's gradients (Backend::attention_backward).
+AttentionCallGrads call_grads(Backend& be, const AttentionCall& c, const FlashGrads& g);
 
 }  // namespace dimattn::detail

@@ -83,7 +83,7 @@ void structure_key(const AttentionCall& c, const OperandMemory (&m)[3], std::vec
   push(c.dropout_broadcast);
   // Which variants are on (AttentionParams' bits: gates read them), never
   // their sizes or values, which the kernels read from the call at run time.
-  push(c.variants().bits);
+  push(c.variants.set().bits);
   push(deterministic_algorithms());
   // The dims the per-entry arrays vary over decide which dims form B.
   push(c.kv_spatial.is_dynamic() ? static_cast<int64_t>(c.kv_spatial.lengths().dims().size()) : -1);
@@ -102,10 +102,12 @@ size_t hash_of(const std::vector<int64_t>& key) {
 
 }  // namespace
 
-std::shared_ptr<const FormPlan> plan_with_form(Backend& be, const AttentionCall& c, const OperandMemory (&m)[3]) {
+std::shared_ptr<const FormPlan> plan_with_form(Backend& be, const AttentionCall& c, const OperandMemory (&m)[3],
+                                               KernelUse use) {
   ThreadCache& tc = t_cache;
   thread_local std::vector<int64_t> key;
   structure_key(c, m, key);
+  key.push_back(static_cast<int64_t>(use));
   const size_t hash = hash_of(key);
   const uint64_t epoch = selection_epoch();
   std::string forced = current_kernel_force_spec();
@@ -119,7 +121,8 @@ std::shared_ptr<const FormPlan> plan_with_form(Backend& be, const AttentionCall&
   auto plan = std::make_shared<FormPlan>();
   plan->form = kernel_form(c, m);
   const KernelTable& table = be.attention_table();
-  plan->decision = select_kernel(be.name(), attention_params(c, plan->form.layout_class, plan->form.requires_grad), table);
+  plan->decision =
+      select_kernel(be.name(), attention_params(c, plan->form.layout_class, plan->form.requires_grad), table, use);
   plan->entry = find_kernel(table, c.query.device().type, plan->decision.kernel);
   Entry e{&be, epoch, hash, key, std::move(forced), plan};
   if (tc.entries.size() < kPlanCacheCapacity) {
@@ -131,11 +134,11 @@ std::shared_ptr<const FormPlan> plan_with_form(Backend& be, const AttentionCall&
   return plan;
 }
 
-std::shared_ptr<const FormPlan> plan_with_host_form(Backend& be, const AttentionCall& c) {
+std::shared_ptr<const FormPlan> plan_with_host_form(Backend& be, const AttentionCall& c, KernelUse use) {
   HostView h[3];
   OperandMemory m[3];
   host_operand_memory(be, c, h, m);
-  return plan_with_form(be, c, m);
+  return plan_with_form(be, c, m, use);
 }
 
 const KernelForm* form_in(const AttentionPlan& plan) {

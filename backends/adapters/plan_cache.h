@@ -14,9 +14,10 @@ struct FormPlan : AttentionPlan {
   KernelForm form;
 };
 
-// The plan of `c` on `be`: this thread's cached plan for a call of the same
-// structure made since the last reset_selection_cache(), else a new one
-// (kernel_form, attention_params, select_kernel over be's table), cached.
+// The plan of `c` for `use` on `be`: this thread's cached plan for a call of
+// the same structure and use made since the last reset_selection_cache(),
+// else a new one (kernel_form, attention_params, select_kernel over be's
+// table), cached.
 // The structure is everything a plan follows from: each operand's dims as
 // roles with their extents and its strides (never Dim identities: self-
 // attention relabels the kv axis to a fresh Dim on every call), which operands
@@ -25,9 +26,10 @@ struct FormPlan : AttentionPlan {
 // offset, padding and dropout flags, forcing and determinism. Never values,
 // pointers, lengths or seeds: they change every step. A hit counts as a
 // selection lookup, as the select_kernel call it saves would.
-std::shared_ptr<const FormPlan> plan_with_form(Backend& be, const AttentionCall& c, const OperandMemory (&m)[3]);
+std::shared_ptr<const FormPlan> plan_with_form(Backend& be, const AttentionCall& c, const OperandMemory (&m)[3],
+                                               KernelUse use);
 // The same from the backend's host views (Backend::host_view).
-std::shared_ptr<const FormPlan> plan_with_host_form(Backend& be, const AttentionCall& c);
+std::shared_ptr<const FormPlan> plan_with_host_form(Backend& be, const AttentionCall& c, KernelUse use);
 
 // The form a plan carries; null for plans of other kinds.
 const KernelForm* form_in(const AttentionPlan& plan);

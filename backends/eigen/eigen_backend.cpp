@@ -97,13 +97,8 @@ class EigenBackend final : public Backend {
     static const KernelTable table = {detail::cpu_flash_entry(), reference_entry(DeviceType::cpu)};
     return table;
   }
-  AttentionPlanPtr plan_attention(const AttentionCall& c) override { return detail::plan_with_host_form(*this, c); }
-  AttentionBlockResult attention_block(const AttentionCall& c) override {
-    return detail::cpu_flash_attention_block(*this, c, detail::default_parallel_for());
-  }
-  AttentionCallGrads attention_backward(const AttentionCall& c, const Tensor& grad_output,
-                                        const AttentionBlockResult* merged) override {
-    return detail::cpu_flash_attention_backward(*this, c, grad_output, merged, detail::default_parallel_for());
+  AttentionPlanPtr plan_attention(const AttentionCall& c, KernelUse use) override {
+    return detail::plan_with_host_form(*this, c, use);
   }
 
   std::optional<HostView> host_view(const RawPtr& x) override {

@@ -1,7 +1,8 @@
 // cuda_flash in the torch backend. Everything that turns roles into kernel
 // params is the one kernel form (backends/adapters/kernel_form.h); this file
 // adds device memory: views of CUDA tensors, the per-entry arrays copied to
-// the device, the current stream, and the autograd function.
+// the device, the current stream, and its kernel-table entry (the autograd
+// function is flash_function.h's, shared with cpu_flash).
 //
 // No CUDA headers here: the stream comes through c10's device-generic
 // interface, and the kernels' host API is plain C++.
@@ -12,7 +13,6 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/Stream.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
-#include <torch/csrc/autograd/custom_function.h>
 
 #include <cstring>
 #include <stdexcept>
@@ -20,6 +20,7 @@
 #include "adapters/cuda_flash_gate.h"
 #include "adapters/kernel_form.h"
 #include "adapters/plan_cache.h"
+#include "flash_function.h"
 #include "torch_raw.h"
 #include "dimattn/error.h"
 #include "dimattn/internal/check.h"
@@ -117,19 +118,14 @@ CudaForward cuda_forward(TorchBackend& be, const AttentionCall& call, const deta
 // The backward kernel from out and lse (the call's own, or a longer
 // attention's merged ones for a block): dq, dk, dv, d(sinks) per (b, h) and
 // d(bias) when `want_dbias`.
-struct CudaGrads {
-  detail::FlashInputs inputs;
-  std::vector<double> dsinks;
-  RawPtr dbias;
-};
-CudaGrads cuda_backward(TorchBackend& be, const AttentionCall& call, const detail::FlashLayout& l,
+detail::FlashGrads cuda_backward(TorchBackend& be, const AttentionCall& call, const detail::FlashLayout& l,
                         const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CudaForward& fwd,
                         const at::Tensor& dout, bool want_dbias) {
   const c10::DeviceGuard guard(q.device());
   detail::FlashParams pr;
   detail::flash_params(pr, call, l, memory_of(q), memory_of(k), memory_of(v));
   const detail::ScoreOperands so = detail::score_operands(be, call, pr, memory_of_raw, want_dbias);
-  CudaGrads g;
+  detail::FlashGrads g;
   if (want_dbias) g.dbias = detail::bias_gradient_buffer(be, pr, call, memory_of_raw, call.query.device());
   detail::set_forward_outputs(pr.p, memory_of(fwd.out), memory_of(fwd.lse));
   const at::Tensor dq = empty_on(q.sizes(), q.scalar_type(), q.device());
@@ -142,7 +138,7 @@ CudaGrads cuda_backward(TorchBackend& be, const AttentionCall& call, const detai
   run_kernel(pr.p, true, [&] {
     kernels::cuda_flash_backward(pr.p, workspace.data_ptr(), current_stream(q.device()));
   });
-  if (call.sinks) {
+  if (call.variants.sinks) {
     const at::Tensor d = arrays.back().cpu();
     const double* x = d.const_data_ptr<double>();
     g.dsinks.assign(x, x + d.numel());
@@ -151,99 +147,75 @@ CudaGrads cuda_backward(TorchBackend& be, const AttentionCall& call, const detai
   return g;
 }
 
-struct CudaFlashInfo : torch::CustomClassHolder {
-  CudaFlashInfo(TorchBackend* b, AttentionCall c, detail::FlashLayout l) : be(b), call(std::move(c)), layout(l) {}
-  TorchBackend* be;
-  AttentionCall call;
-  detail::FlashLayout layout;
-};
+// q, k, v as the kernel reads them, and the forward kernel's out and lse.
+FlashSaved forward_pass(TorchBackend& be, const AttentionCall& call, const detail::FlashLayout& l,
+                        const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const at::Tensor qr = kernel_readable(q), kr = kernel_readable(k), vr = kernel_readable(v);
+  const CudaForward f = cuda_forward(be, call, l, qr, kr, vr);
+  return {qr, kr, vr, f.out, f.lse};
+}
 
-class CudaFlashFunction : public torch::autograd::Function<CudaFlashFunction> {
- public:
-  // sinks, bias: as CpuFlashFunction's (torch_attention.cpp).
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const at::Tensor& /*sinks*/, const at::Tensor& /*bias*/,
-                            c10::intrusive_ptr<CudaFlashInfo> info) {
-    const at::Tensor qr = kernel_readable(q), kr = kernel_readable(k), vr = kernel_readable(v);
-    const CudaForward f = cuda_forward(*info->be, info->call, info->layout, qr, kr, vr);
-    ctx->save_for_backward({qr, kr, vr, f.out, f.lse});
-    ctx->saved_data["info"] = at::IValue::make_capsule(std::move(info));
-    return f.out;
+// cuda_flash's two passes for FlashFunction (flash_function.h).
+struct CudaFlash {
+  static FlashSaved forward(const FlashCall& fc, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    return forward_pass(*fc.be, fc.call, fc.layout, q, k, v);
   }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto info = c10::static_intrusive_pointer_cast<CudaFlashInfo>(ctx->saved_data["info"].toCapsule());
-    const AttentionCall& call = info->call;
-    const CudaGrads g = cuda_backward(*info->be, call, info->layout, saved[0], saved[1], saved[2],
-                                      {saved[3], saved[4]}, kernel_readable(grads[0]),
-                                      call.bias && call.bias->requires_grad());
-    at::Tensor dsinks, dbias;
-    if (call.sinks) dsinks = as_aten(detail::sinks_gradient(*info->be, call, g.dsinks).raw());
-    if (g.dbias) dbias = as_aten(detail::bias_gradient(*info->be, call, g.dbias).raw());
-    return {as_aten(g.inputs.q), as_aten(g.inputs.k), as_aten(g.inputs.v), dsinks, dbias, at::Tensor()};
+  static detail::FlashGrads backward(const FlashCall& fc, const FlashSaved& s, const at::Tensor& dout) {
+    const AttentionCall& call = fc.call;
+    return cuda_backward(*fc.be, call, fc.layout, s.q, s.k, s.v, {s.out, s.lse}, kernel_readable(dout),
+                         call.variants.bias && call.variants.bias->requires_grad());
   }
 };
 
-// A call that cuda_flash computes outside autograd (blocks, their
-// gradients): its kernel form, its inputs in that form, after its gate.
+// The call's q, k, v in the kernel's 4-d form, by its plan's kernel form.
 struct CudaCall {
-  AttentionPlanPtr plan;  // holds the form
   const detail::KernelForm& form;
-  at::Tensor q, k, v;
+  detail::FlashInputs in;
 };
-CudaCall cuda_call(TorchBackend& be, const AttentionCall& c, const char* op) {
-  const GateResult gate = detail::cuda_flash_gate(be.attention_params_of(c));
-  DIMATTN_CHECK(gate.ok, op, "blocks of a longer attention on CUDA run dimattn's cuda_flash, which cannot run this ",
-                "call: ", gate.reason);
-  AttentionPlanPtr plan = be.plan_attention(c);
-  const detail::KernelForm* form = detail::form_in(*plan);
-  DIMATTN_CHECK(form != nullptr, op, "internal error: the torch backend's plan has no kernel form");
-  CudaCall cc{std::move(plan), *form, {}, {}, {}};
-  const detail::FlashInputs in =
-      detail::flash_inputs(be, cc.form, detail::aligned_inputs(be, c, cc.form), memory_of_raw);
-  cc.q = kernel_readable(as_aten(in.q));
-  cc.k = kernel_readable(as_aten(in.k));
-  cc.v = kernel_readable(as_aten(in.v));
-  return cc;
+CudaCall cuda_call(TorchBackend& be, const AttentionCall& c, const AttentionPlan& plan) {
+  const detail::KernelForm* form = detail::form_in(plan);
+  DIMATTN_CHECK(form != nullptr, kOp, "internal error: the torch backend's plan has no kernel form");
+  return {*form, detail::flash_inputs(be, *form, detail::aligned_inputs(be, c, *form), memory_of_raw)};
+}
+
+Tensor run(Backend& backend, const AttentionCall& c, const AttentionPlan& plan) {
+  auto& be = static_cast<TorchBackend&>(backend);
+  const CudaCall cc = cuda_call(be, c, plan);
+  return flash_function_output<CudaFlash>(be, c, cc.form.layout, cc.in);
+}
+
+AttentionBlockResult block(Backend& backend, const AttentionCall& c, const AttentionPlan& plan) {
+  auto& be = static_cast<TorchBackend&>(backend);
+  const CudaCall cc = cuda_call(be, c, plan);
+  const FlashSaved f = forward_pass(be, c, cc.form.layout, as_aten(cc.in.q), as_aten(cc.in.k), as_aten(cc.in.v));
+  return detail::block_result(be, c, wrap(f.out), wrap(f.lse));
+}
+
+AttentionCallGrads backward(Backend& backend, const AttentionCall& c, const AttentionPlan& plan,
+                            const Tensor& grad_output, const AttentionBlockResult* merged) {
+  auto& be = static_cast<TorchBackend&>(backend);
+  const char* op = kernel_use_op(merged ? KernelUse::block_backward : KernelUse::backward);
+  const CudaCall cc = cuda_call(be, c, plan);
+  const detail::FlashLayout& l = cc.form.layout;
+  const at::Tensor q = as_aten(cc.in.q), k = as_aten(cc.in.k), v = as_aten(cc.in.v);
+  const FlashSaved f =
+      merged ? FlashSaved{kernel_readable(q), kernel_readable(k), kernel_readable(v),
+                          as_aten(detail::in_kernel_form(be, c, l, merged->output, "the merged output", true,
+                                                         c.query.dtype(), op)),
+                          as_aten(detail::in_kernel_form(be, c, l, merged->lse, "the merged lse", false,
+                                                         detail::lse_dtype_of(c), op))}
+             : forward_pass(be, c, l, q, k, v);
+  const at::Tensor dout =
+      kernel_readable(as_aten(detail::in_kernel_form(be, c, l, grad_output, "grad_output", true, c.query.dtype(), op)));
+  return detail::call_grads(be, c,
+                            cuda_backward(be, c, l, f.q, f.k, f.v, {f.out, f.lse}, dout, c.variants.bias.has_value()));
 }
 
 }  // namespace
 
-Tensor cuda_flash_attention(TorchBackend& be, const AttentionCall& c, const detail::KernelForm& form) {
-  const detail::FlashInputs in = detail::flash_inputs(be, form, detail::aligned_inputs(be, c, form), memory_of_raw);
-  at::Tensor out = CudaFlashFunction::apply(as_aten(in.q), as_aten(in.k), as_aten(in.v),
-                                            sinks_input(c), bias_input(c),
-                                            c10::make_intrusive<CudaFlashInfo>(&be, c, form.layout));
-  return detail::flash_output(be, c, wrap(out));
-}
-
-}  // namespace dimattn::torch_backend
-
-namespace dimattn::torch_backend {
-
-AttentionBlockResult cuda_flash_attention_block(TorchBackend& be, const AttentionCall& c) {
-  const CudaCall cc = cuda_call(be, c, "dot_attention_block");
-  const CudaForward f = cuda_forward(be, c, cc.form.layout, cc.q, cc.k, cc.v);
-  return detail::block_result(be, c, wrap(f.out), wrap(f.lse));
-}
-
-AttentionCallGrads cuda_flash_attention_backward(TorchBackend& be, const AttentionCall& c, const Tensor& grad_output,
-                                                 const AttentionBlockResult* merged) {
-  const char* op = merged ? "dot_attention_block_backward" : "dot_attention_backward";
-  const CudaCall cc = cuda_call(be, c, op);
-  const detail::FlashLayout& l = cc.form.layout;
-  const CudaForward fwd =
-      merged ? CudaForward{as_aten(detail::in_kernel_form(be, c, l, merged->output, "the merged output", true,
-                                                          c.query.dtype(), op)),
-                           as_aten(detail::in_kernel_form(be, c, l, merged->lse, "the merged lse", false,
-                                                          detail::lse_dtype_of(c), op))}
-             : cuda_forward(be, c, l, cc.q, cc.k, cc.v);
-  const at::Tensor dout =
-      kernel_readable(as_aten(detail::in_kernel_form(be, c, l, grad_output, "grad_output", true, c.query.dtype(), op)));
-  const CudaGrads g = cuda_backward(be, c, l, cc.q, cc.k, cc.v, fwd, dout, c.bias.has_value());
-  return detail::call_grads(be, c, g.inputs, g.dsinks, g.dbias);
+KernelEntry cuda_flash_entry() {
+  return {"cuda_flash", DeviceType::cuda, [](const AttentionParams& p) { return detail::cuda_flash_gate(p); },
+          {.last_dim_unit_stride = true}, run, block, backward};
 }
 
 }  // namespace dimattn::torch_backend

@@ -28,6 +28,7 @@
 #include "common/attention_mask.h"
 #include "adapters/cuda_flash_gate.h"
 #include "cuda_flash_path.h"
+#include "flash_function.h"
 #include "torch_backend.h"
 #include "torch_raw.h"
 #include "dimattn/ext/layout.h"
@@ -276,40 +277,16 @@ kernels::ParallelFor aten_parallel_for() {
   };
 }
 
-// What backward needs besides tensors, kept in the autograd context.
-struct CpuFlashInfo : torch::CustomClassHolder {
-  CpuFlashInfo(TorchBackend* b, AttentionCall c, detail::FlashLayout l) : be(b), call(std::move(c)), layout(l) {}
-  TorchBackend* be;
-  AttentionCall call;
-  detail::FlashLayout layout;
-};
-
-class CpuFlashFunction : public torch::autograd::Function<CpuFlashFunction> {
- public:
-  // sinks: the call's sinks tensor (undefined without), an input so that
-  // autograd routes d(sinks) to it; the kernel reads its values through the call.
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const at::Tensor& /*sinks*/, const at::Tensor& /*bias*/,
-                            c10::intrusive_ptr<CpuFlashInfo> info) {
+// cpu_flash's two passes for FlashFunction (flash_function.h), on ATen's threads.
+struct CpuFlash {
+  static FlashSaved forward(const FlashCall& fc, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     const detail::FlashForward f =
-        detail::flash_forward(*info->be, info->call, info->layout, {wrap(q), wrap(k), wrap(v)}, aten_parallel_for());
-    const at::Tensor out = as_aten(f.out);
-    ctx->save_for_backward({q, k, v, out, as_aten(f.lse)});
-    ctx->saved_data["info"] = at::IValue::make_capsule(std::move(info));
-    return out;
+        detail::flash_forward(*fc.be, fc.call, fc.layout, {wrap(q), wrap(k), wrap(v)}, aten_parallel_for());
+    return {q, k, v, as_aten(f.out), as_aten(f.lse)};
   }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto info = c10::static_intrusive_pointer_cast<CpuFlashInfo>(ctx->saved_data["info"].toCapsule());
-    const detail::FlashGrads g = detail::flash_backward(
-        *info->be, info->call, info->layout, {wrap(saved[0]), wrap(saved[1]), wrap(saved[2])},
-        {wrap(saved[3]), wrap(saved[4])}, wrap(grads[0]), aten_parallel_for());
-    at::Tensor dsinks, dbias;
-    if (info->call.sinks) dsinks = as_aten(detail::sinks_gradient(*info->be, info->call, g.dsinks).raw());
-    if (g.dbias) dbias = as_aten(detail::bias_gradient(*info->be, info->call, g.dbias).raw());
-    return {as_aten(g.inputs.q), as_aten(g.inputs.k), as_aten(g.inputs.v), dsinks, dbias, at::Tensor()};
+  static detail::FlashGrads backward(const FlashCall& fc, const FlashSaved& s, const at::Tensor& dout) {
+    return detail::flash_backward(*fc.be, fc.call, fc.layout, {wrap(s.q), wrap(s.k), wrap(s.v)},
+                                  {wrap(s.out), wrap(s.lse)}, wrap(dout), aten_parallel_for());
   }
 };
 
@@ -320,14 +297,30 @@ const detail::KernelForm& form_of(const AttentionPlan& plan) {
   return *form;
 }
 
-Tensor run_cpu_flash(Backend& be, const AttentionCall& c, const AttentionPlan& plan) {
-  auto& torch = static_cast<TorchBackend&>(be);
-  const detail::KernelForm& form = form_of(plan);
-  const detail::FlashInputs in = detail::flash_inputs(be, c, form);
-  at::Tensor out = CpuFlashFunction::apply(as_aten(in.q), as_aten(in.k), as_aten(in.v),
-                                           sinks_input(c), bias_input(c),
-                                           c10::make_intrusive<CpuFlashInfo>(&torch, c, form.layout));
-  return detail::flash_output(be, c, wrap(out));
+// dimattn's kernels (cpu_flash, cuda_flash) on this backend compute blocks
+// and gradients outside autograd: the caller owns their gradients.
+KernelEntry outside_autograd(KernelEntry e) {
+  e.block = [block = std::move(e.block)](Backend& be, const AttentionCall& c, const AttentionPlan& plan) {
+    const at::NoGradGuard no_grad;
+    return block(be, c, plan);
+  };
+  e.backward = [backward = std::move(e.backward)](Backend& be, const AttentionCall& c, const AttentionPlan& plan,
+                                                  const Tensor& grad_output, const AttentionBlockResult* merged) {
+    const at::NoGradGuard no_grad;
+    return backward(be, c, plan, grad_output, merged);
+  };
+  return e;
+}
+
+// cpu_flash on ATen's threads, dot_attention's call through its autograd function.
+KernelEntry cpu_flash_entry() {
+  KernelEntry e = outside_autograd(detail::cpu_flash_entry(aten_parallel_for));
+  e.run = [](Backend& be, const AttentionCall& c, const AttentionPlan& plan) {
+    const detail::KernelForm& form = form_of(plan);
+    return flash_function_output<CpuFlash>(static_cast<TorchBackend&>(be), c, form.layout,
+                                           detail::flash_inputs(be, c, form));
+  };
+  return e;
 }
 
 KernelEntry aten_entry(const char* name, DeviceType device, GateResult (*gate)(const AttentionParams&),
@@ -342,18 +335,10 @@ KernelEntry aten_entry(const char* name, DeviceType device, GateResult (*gate)(c
 
 }  // namespace
 
-at::Tensor sinks_input(const AttentionCall& c) {
-  return c.sinks ? as_aten(c.sinks->raw()) : at::empty({0});
-}
-
-at::Tensor bias_input(const AttentionCall& c) {
-  return c.bias ? as_aten(c.bias->raw()) : at::empty({0});
-}
-
 const KernelTable& TorchBackend::attention_table() const {
   using enum DeviceType;
   static const KernelTable table = {
-      {"cpu_flash", cpu, detail::cpu_flash_gate, {.last_dim_unit_stride = true}, run_cpu_flash, detail::cpu_flash_isa},
+      cpu_flash_entry(),
       aten_entry("aten_flash_cpu", cpu, gate_flash_cpu, aten_flash_cpu),
       aten_entry("aten_math", cpu, gate_math, aten_math),
       reference_entry(cpu),
@@ -362,11 +347,7 @@ const KernelTable& TorchBackend::attention_table() const {
       aten_entry("aten_efficient", cuda, gate_efficient, aten_efficient),
       // After ATen's fused kernels until it is measured on a GPU
       // (docs/backends.md); first for dropout, causal GQA and offsets.
-      {"cuda_flash", cuda, [](const AttentionParams& p) { return detail::cuda_flash_gate(p); },
-       {.last_dim_unit_stride = true},
-       [](Backend& be, const AttentionCall& c, const AttentionPlan& plan) {
-         return cuda_flash_attention(static_cast<TorchBackend&>(be), c, form_of(plan));
-       }},
+      outside_autograd(cuda_flash_entry()),
       aten_entry("aten_math", cuda, gate_math, aten_math),
       reference_entry(cuda),
   };
@@ -377,7 +358,7 @@ const KernelTable& TorchBackend::attention_table() const {
 // every kernel here would read (q, k and v in the fused kernels' form,
 // adapters/kernel_form.h, before the 4-d merge), from the ATen tensors'
 // sizes, strides and storages; cached per structure (adapters/plan_cache.h).
-AttentionPlanPtr TorchBackend::plan_attention(const AttentionCall& call) {
+AttentionPlanPtr TorchBackend::plan_attention(const AttentionCall& call, KernelUse use) {
   const at::Tensor* t[3] = {&as_aten(call.query.raw()), &as_aten(call.keys.raw()), &as_aten(call.values.raw())};
   detail::OperandMemory m[3];
   for (int i = 0; i < 3; ++i) {
@@ -385,20 +366,7 @@ AttentionPlanPtr TorchBackend::plan_attention(const AttentionCall& call) {
     m[i] = {{sizes.data(), sizes.size()}, {strides.data(), strides.size()}, t[i]->storage().unsafeGetStorageImpl(),
             t[i]->storage_offset(), static_cast<int64_t>(t[i]->element_size()), t[i]->requires_grad()};
   }
-  return detail::plan_with_form(*this, call, m);
-}
-
-AttentionBlockResult TorchBackend::attention_block(const AttentionCall& call) {
-  const at::NoGradGuard no_grad;  // the caller owns the gradients of blocks
-  if (call.query.device().type == DeviceType::cuda) return cuda_flash_attention_block(*this, call);
-  return detail::cpu_flash_attention_block(*this, call, aten_parallel_for());
-}
-
-AttentionCallGrads TorchBackend::attention_backward(const AttentionCall& call, const Tensor& grad_output,
-                                                    const AttentionBlockResult* merged) {
-  const at::NoGradGuard no_grad;
-  if (call.query.device().type == DeviceType::cuda) return cuda_flash_attention_backward(*this, call, grad_output, merged);
-  return detail::cpu_flash_attention_backward(*this, call, grad_output, merged, aten_parallel_for());
+  return detail::plan_with_form(*this, call, m, use);
 }
 
 }  // namespace dimattn::torch_backend

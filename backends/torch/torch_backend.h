@@ -53,20 +53,15 @@ class TorchBackend : public Backend {
   void backward(const RawPtr& scalar) override;
 
   // The fast paths (torch_attention.cpp): ATen's SDPA kernels and dimattn's
-  // own, behind kernel selection.
+  // own, behind kernel selection; blocks of a longer attention and gradients
+  // outside autograd on dimattn's own (cpu_flash, cuda_flash).
   const KernelTable& attention_table() const override;
-  AttentionPlanPtr plan_attention(const AttentionCall& call) override;
-  // Blocks of a longer attention and their gradients (context parallelism),
-  // and dot_attention_backward, outside autograd: dimattn's CPU kernel on CPU
-  // tensors, cuda_flash on CUDA tensors (cuda_flash_path.h).
-  AttentionBlockResult attention_block(const AttentionCall& call) override;
+  AttentionPlanPtr plan_attention(const AttentionCall& call, KernelUse use) override;
   // Context parallelism (torch_context_parallel.cpp): c10d's groups by name,
   // and the ring as one autograd node.
   std::vector<Tensor> apply_custom_function(const std::vector<Tensor>& inputs,
                                             std::shared_ptr<const CustomFunction> fn) override;
   std::unique_ptr<ProcessGroup> process_group(const std::string& name, std::optional<double> timeout_seconds) override;
-  AttentionCallGrads attention_backward(const AttentionCall& call, const Tensor& grad_output,
-                                        const AttentionBlockResult* merged) override;
 };
 
 }  // namespace dimattn::torch_backend

@@ -1,4 +1,5 @@
-// What context parallelism (frontend/src/context_parallel.cpp) needs of the
+// What context parallelism (context_parallel_attention, frontend/src/
+// context_parallel*.cpp) needs of the
 // torch backend: c10d's process groups, resolved by name through c10d's
 // group registry (torch.distributed registers every group it creates there),
 // and the ring as one autograd node (apply_custom_function). The only file
@@ -21,7 +22,7 @@
 namespace dimattn::torch_backend {
 namespace {
 
-constexpr const char* kOp = "dot_attention";
+constexpr const char* kOp = "context_parallel_attention";
 
 // Runs a c10d call, turning its errors (c10::Error, gloo's, timeouts) into
 // dimattn::Error naming what was under way.
@@ -32,7 +33,7 @@ decltype(auto) collective(const std::string& what, F&& body) {
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-    detail::fail(kOp, "context_parallel: ", what, " failed: ", e.what());
+    detail::fail(kOp, what, " failed: ", e.what());
   }
 }
 
@@ -45,7 +46,7 @@ class C10dWork final : public CollectiveWork {
   void wait() override {
     collective(what_, [&] {
       const bool done = timeout_ ? work_->wait(*timeout_) : work_->wait();
-      DIMATTN_CHECK(done, kOp, "context_parallel: ", what_, " did not complete in time");
+      DIMATTN_CHECK(done, kOp, what_, " did not complete in time");
     });
   }
 
@@ -184,13 +185,13 @@ std::vector<Tensor> TorchBackend::apply_custom_function(const std::vector<Tensor
 std::unique_ptr<ProcessGroup> TorchBackend::process_group(const std::string& name,
                                                           std::optional<double> timeout_seconds) {
   if (timeout_seconds)
-    DIMATTN_CHECK(*timeout_seconds > 0, kOp, "context_parallel timeout must be > 0 seconds, got ", *timeout_seconds,
+    DIMATTN_CHECK(*timeout_seconds > 0, kOp, "timeout must be > 0 seconds, got ", *timeout_seconds,
                   "; leave it unset for the group's own");
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
   try {
     pg = c10d::resolve_process_group(name);
   } catch (const std::exception& e) {
-    detail::fail(kOp, "context_parallel: no process group named '", name, "' in c10d's registry (", e.what(),
+    detail::fail(kOp, "no process group named '", name, "' in c10d's registry (", e.what(),
                  "); create it with torch.distributed (init_process_group, new_group) and pass its group_name");
   }
   return std::make_unique<C10dGroup>(std::move(pg), name, timeout_seconds);

@@ -50,15 +50,15 @@ const KernelEntry* find_kernel(const KernelTable& table, DeviceType device, cons
   return nullptr;
 }
 
-AttentionPlanPtr Backend::plan_attention(const AttentionCall& call) {
+AttentionPlanPtr Backend::plan_attention(const AttentionCall& call, KernelUse use) {
   auto plan = std::make_shared<AttentionPlan>();
   const KernelTable& table = attention_table();
-  plan->decision = select_kernel(name(), attention_params_of(call), table);
+  plan->decision = select_kernel(name(), attention_params_of(call), table, use);
   plan->entry = find_kernel(table, call.query.device().type, plan->decision.kernel);
   return plan;
 }
 
-Decision Backend::decide_attention(const AttentionCall& call) { return plan_attention(call)->decision; }
+Decision Backend::decide_attention(const AttentionCall& call) { return plan_attention(call, KernelUse::run)->decision; }
 
 Tensor Backend::run_attention(const AttentionCall& call, const AttentionPlan& plan) {
   if (plan.entry && plan.entry->run) return plan.entry->run(*this, call, plan);
@@ -72,18 +72,24 @@ std::vector<Tensor> Backend::apply_custom_function(const std::vector<Tensor>& in
 }
 
 std::unique_ptr<ProcessGroup> Backend::process_group(const std::string& group, std::optional<double>) {
-  detail::fail("dot_attention", "context_parallel: no process group named '", group, "' on backend '", name(),
+  detail::fail("context_parallel_attention", "no process group named '", group, "' on backend '", name(),
                "', which has none; context parallelism runs on the torch backend over torch.distributed's groups");
 }
 
-AttentionBlockResult Backend::attention_block(const AttentionCall&) {
-  detail::fail("dot_attention_block", "backend '", name(), "' has no fused kernel that gives the lse; ",
-               "use the torch or the Eigen backend");
+AttentionBlockResult Backend::attention_block(const AttentionCall& call) {
+  const AttentionPlanPtr plan = plan_attention(call, KernelUse::block);
+  DIMATTN_CHECK(plan->entry && plan->entry->block, "dot_attention_block", "internal error: backend '", name(),
+                "' chose kernel '", plan->decision.kernel, "', which has no block function, for a block");
+  return plan->entry->block(*this, call, *plan);
 }
 
-AttentionCallGrads Backend::attention_backward(const AttentionCall&, const Tensor&, const AttentionBlockResult*) {
-  detail::fail("dot_attention_backward", "backend '", name(), "' has no fused attention backward; ",
-               "use a backend with autograd (torch) and Tensor::backward");
+AttentionCallGrads Backend::attention_backward(const AttentionCall& call, const Tensor& grad_output,
+                                               const AttentionBlockResult* merged) {
+  const KernelUse use = merged ? KernelUse::block_backward : KernelUse::backward;
+  const AttentionPlanPtr plan = plan_attention(call, use);
+  DIMATTN_CHECK(plan->entry && plan->entry->backward, kernel_use_op(use), "internal error: backend '", name(),
+                "' chose kernel '", plan->decision.kernel, "', which has no backward function, for gradients");
+  return plan->entry->backward(*this, call, *plan, grad_output, merged);
 }
 
 std::vector<std::string> Backend::attention_kernels(Device device) const {

@@ -122,4 +122,16 @@ int index_of(const Dims& dims, const Dim& d) {
   return -1;
 }
 
+std::vector<int64_t> extents(const Dims& dims) {
+  std::vector<int64_t> s;
+  for (const Dim& d : dims) s.push_back(d.extent());
+  return s;
+}
+
+int64_t product(const Dims& dims) {
+  int64_t n = 1;
+  for (const Dim& d : dims) n *= d.extent();
+  return n;
+}
+
 }  // namespace dimattn

@@ -1,5 +1,7 @@
 #include "dimattn/selection.h"
 
+#include "dimattn/ext/attention_call.h"
+
 #include "dimattn/ext/kernel_table.h"
 
 #include <atomic>
@@ -65,10 +67,13 @@ namespace {
 struct Key {
   std::string backend;
   AttentionParams params;
+  KernelUse use;
   bool operator==(const Key&) const = default;
 };
 struct KeyHash {
-  size_t operator()(const Key& k) const { return AttentionParamsHash()(k.params) ^ std::hash<std::string>()(k.backend); }
+  size_t operator()(const Key& k) const {
+    return AttentionParamsHash()(k.params) ^ std::hash<std::string>()(k.backend) ^ static_cast<size_t>(k.use);
+  }
 };
 
 struct Cache {
@@ -87,45 +92,70 @@ bool debug_enabled() {
   return env && *env && std::string(env) != "0";
 }
 
-Decision decide(const AttentionParams& params, const std::vector<KernelCandidate>& candidates) {
+// What a use asks, in words: "... can <this>".
+const char* use_words(KernelUse use) {
+  switch (use) {
+    case KernelUse::run: return "run this call";
+    case KernelUse::block: return "compute this call as a block (its output and each row's lse)";
+    case KernelUse::backward:
+    case KernelUse::block_backward: return "compute this call's gradients outside autograd";
+  }
+  return "?";
+}
+
+// The table's entries for params.device in priority order, each tried for
+// `use`: forcing, then whether it serves the use, then its gate.
+Decision decide(const std::string& backend, const AttentionParams& params, const KernelTable& table, KernelUse use) {
   const KernelForce force = parse_kernel_force(params.forced);
   Decision d;
   d.params = params;
-  for (const auto& c : candidates) {
-    if (!force.allows(c.name)) {
-      d.rejected.push_back({c.name, "not among the forced kernels (" + force.describe() + ")"});
+  for (const KernelEntry& e : table) {
+    if (e.device != params.device) continue;
+    if (!force.allows(e.name)) {
+      d.rejected.push_back({e.name, "not among the forced kernels (" + force.describe() + ")"});
       continue;
     }
-    GateResult g = c.gate(params);
+    GateResult g = e.serves(use);
+    if (g.ok) g = e.gate(params);
     if (g.ok) {
-      d.kernel = c.name;
+      d.kernel = e.name;
       return d;
     }
-    d.rejected.push_back({c.name, g.reason});
+    d.rejected.push_back({e.name, g.reason});
   }
   std::string reasons;
   for (const auto& r : d.rejected) reasons += "\n  " + r.kernel + ": " + r.reason;
-  for (const auto& k : force.kernels) {
-    bool listed = false;
-    for (const auto& c : candidates) listed = listed || c.name == k;
-    if (!listed) reasons += "\n  " + k + ": not a kernel of this backend on this device";
-  }
-  detail::fail("dot_attention", "no forced kernel can run this call (forced: ", force.describe(), "; ",
-               params.describe(), "):", reasons, "\nForce 'auto' or 'reference', or change the call.");
+  for (const auto& k : force.kernels)
+    if (!find_kernel(table, params.device, k)) reasons += "\n  " + k + ": not a kernel of this backend on this device";
+  // Only forcing leaves dot_attention's own call without a kernel (the
+  // reference path always can run it); blocks and gradients outside
+  // autograd have no reference path.
+  if (force.automatic)
+    detail::fail(kernel_use_op(use), "no kernel of backend '", backend, "' on ",
+                 params.device == DeviceType::cpu ? "cpu" : "cuda", " can ", use_words(use), " (", params.describe(),
+                 "):", reasons, "\nChange the call or its backend.");
+  detail::fail(kernel_use_op(use), "no forced kernel can ", use_words(use), " (forced: ", force.describe(), "; ",
+               params.describe(), "):", reasons,
+               use == KernelUse::run ? "\nForce 'auto' or 'reference', or change the call."
+                                     : "\nForce 'auto' or a kernel that can, or change the call.");
 }
 
-// The cached decision for (backend, params); `candidates()` gives the
-// candidates only on a miss, so a hit costs one lookup.
-template <class Candidates>
-Decision cached_decision(const std::string& backend, const AttentionParams& params, const Candidates& candidates) {
+}  // namespace
+
+namespace {
+
+// Cached per (backend, params, use): the gates run only on a miss, so a hit
+// costs one lookup.
+Decision cached_decision(const std::string& backend, const AttentionParams& params, const KernelTable& table,
+                         KernelUse use) {
   Cache& c = cache();
-  Key key{backend, params};
+  Key key{backend, params, use};
   {
     ++c.lookups;
     std::lock_guard lock(c.mu);
     if (auto it = c.decisions.find(key); it != c.decisions.end()) return it->second;
   }
-  Decision d = decide(params, candidates());  // gates run outside the lock; may throw
+  Decision d = decide(backend, params, table, use);  // gates run outside the lock; may throw
   std::lock_guard lock(c.mu);
   auto [it, inserted] = c.decisions.emplace(std::move(key), d);
   if (inserted) {
@@ -139,21 +169,38 @@ Decision cached_decision(const std::string& backend, const AttentionParams& para
 
 }  // namespace
 
-Decision select_kernel(const std::string& backend, const AttentionParams& params,
-                       const std::vector<KernelCandidate>& candidates) {
-  return cached_decision(backend, params, [&] { return candidates; });
-}
-
-Decision select_kernel(const std::string& backend, const AttentionParams& params, const KernelTable& table) {
-  Decision d = cached_decision(backend, params, [&] {
-    std::vector<KernelCandidate> on_device;
-    for (const KernelEntry& e : table)
-      if (e.device == params.device) on_device.push_back({e.name, e.gate});
-    return on_device;
-  });
+Decision select_kernel(const std::string& backend, const AttentionParams& params, const KernelTable& table,
+                       KernelUse use) {
+  Decision d = cached_decision(backend, params, table, use);
   // The chosen entry names its code path; the cached decision is the gates' alone.
   if (const KernelEntry* e = find_kernel(table, params.device, d.kernel); e && e->isa) d.isa = e->isa(params);
   return d;
+}
+
+const char* kernel_use_op(KernelUse use) {
+  switch (use) {
+    case KernelUse::run: return "dot_attention";
+    case KernelUse::block: return "dot_attention_block";
+    case KernelUse::backward: return "dot_attention_backward";
+    case KernelUse::block_backward: return "dot_attention_block_backward";
+  }
+  return "?";
+}
+
+GateResult KernelEntry::serves(KernelUse use) const {
+  switch (use) {
+    case KernelUse::run: return GateResult::pass();
+    case KernelUse::block:
+      if (block) return GateResult::pass();
+      return GateResult::fail("gives no lse (each row's log-sum-exp), by which the blocks of a longer attention "
+                              "merge; dimattn's own kernels give it");
+    case KernelUse::backward:
+    case KernelUse::block_backward:
+      if (backward) return GateResult::pass();
+      return GateResult::fail("has no backward pass of its own outside autograd, which dot_attention_backward and "
+                              "the gradients of blocks need; dimattn's own kernels have one");
+  }
+  return GateResult::fail("?");
 }
 
 SelectionStats selection_stats() {
@@ -193,7 +240,7 @@ AttentionParams attention_params(const AttentionCall& call, LayoutClass layout, 
   for (const Dim& d : call.query_groups) g *= d.extent();
   p.gqa_ratio = g;
   p.keys_only = !call.keys_only.empty();
-  p.variants = call.variants();
+  p.variants = call.variants.set();
   p.layout = layout;
   p.requires_grad = requires_grad;
   p.deterministic = deterministic_algorithms();

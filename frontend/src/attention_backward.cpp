@@ -24,17 +24,16 @@ Tensor to_input_dims(const Tensor& g, const Tensor& like, const AttentionCall& c
 
 // The one backward of dot_attention_backward and dot_attention_block_backward.
 AttentionGrads backward(const char* op, const Tensor& query, const Tensor& keys, const Tensor& values,
-                        const AttentionOptions& opts, const AttentionBlock* merged, const Tensor& grad_output,
-                        std::optional<uint64_t> dropout_seed = std::nullopt) {
+                        const AttentionOptions& opts, const AttentionBlock* merged, const Tensor& grad_output) {
   // Not a structured binding: clang 14 (the fuzz build) cannot capture one in a lambda.
-  const Prepared prepared = prepare(query, keys, values, opts, dropout_seed);
+  const Prepared prepared = prepare(query, keys, values, opts);
   const AttentionCall& c = prepared.call;
   const bool dummy = prepared.dummy;
   common_backend(op, {&query, &grad_output});
   auto with_step = [&](const Tensor& t) { return dummy ? expand_dim(t, c.query_spatial) : t; };
   std::optional<AttentionBlockResult> m;
   if (merged) {
-    DIMATTN_CHECK(!c.sinks, op, "blocks of a longer attention cannot have sinks (each block's lse would count them)");
+    DIMATTN_CHECK(!c.variants.sinks, op, "blocks of a longer attention cannot have sinks (each block's lse would count them)");
     common_backend(op, {&query, &merged->output, &merged->lse});
     m = AttentionBlockResult{with_step(merged->output), with_step(merged->lse)};
   }
@@ -42,8 +41,8 @@ AttentionGrads backward(const char* op, const Tensor& query, const Tensor& keys,
   if (dummy) g.query = squeeze(g.query, c.query_spatial);
   AttentionGrads out{to_input_dims(g.query, query, c, opts.axis), to_input_dims(g.keys, keys, c, opts.axis),
                      to_input_dims(g.values, values, c, opts.axis), std::nullopt};
-  if (opts.sinks && g.sinks) out.sinks = copy_transpose(*g.sinks, opts.sinks->dims());  // not for the off-by-one sink
-  if (opts.bias && g.bias) out.bias = to_input_dims(*g.bias, *opts.bias, c, opts.axis);
+  if (opts.variants.sinks && g.sinks) out.sinks = copy_transpose(*g.sinks, opts.variants.sinks->dims());  // not for the off-by-one sink
+  if (opts.variants.bias && g.bias) out.bias = to_input_dims(*g.bias, *opts.variants.bias, c, opts.axis);
   return out;
 }
 
@@ -57,25 +56,14 @@ AttentionGrads dot_attention_backward(const Tensor& query, const Tensor& keys, c
 AttentionGrads dot_attention_block_backward(const Tensor& query, const Tensor& keys, const Tensor& values,
                                             const AttentionOptions& opts, const AttentionBlock& merged,
                                             const Tensor& grad_output) {
-  return attention_block_backward(query, keys, values, opts, merged, grad_output, std::nullopt);
-}
-
-AttentionGrads detail::attention_block_backward(const Tensor& query, const Tensor& keys, const Tensor& values,
-                                                const AttentionOptions& opts, const AttentionBlock& merged,
-                                                const Tensor& grad_output, std::optional<uint64_t> dropout_seed) {
-  return backward("dot_attention_block_backward", query, keys, values, opts, &merged, grad_output, dropout_seed);
+  return backward("dot_attention_block_backward", query, keys, values, opts, &merged, grad_output);
 }
 
 AttentionBlock dot_attention_block(const Tensor& query, const Tensor& keys, const Tensor& values,
                                    const AttentionOptions& opts) {
-  return attention_block(query, keys, values, opts, std::nullopt);
-}
-
-AttentionBlock detail::attention_block(const Tensor& query, const Tensor& keys, const Tensor& values,
-                                       const AttentionOptions& opts, std::optional<uint64_t> dropout_seed) {
   const char* op = "dot_attention_block";
-  const auto [c, dummy] = prepare(query, keys, values, opts, dropout_seed);
-  DIMATTN_CHECK(!c.sinks, op, "blocks of a longer attention cannot have sinks (each block's lse would count them)");
+  const auto [c, dummy] = prepare(query, keys, values, opts);
+  DIMATTN_CHECK(!c.variants.sinks, op, "blocks of a longer attention cannot have sinks (each block's lse would count them)");
   AttentionBlockResult r = query.backend().attention_block(c);
   if (dummy) return {squeeze(r.output, c.query_spatial), squeeze(r.lse, c.query_spatial)};
   return {r.output, r.lse};

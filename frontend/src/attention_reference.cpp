@@ -87,9 +87,10 @@ ReferenceAttention reference_attention(const AttentionCall& c) {
 
   // The order of docs/numerics.md: scale, soft-capping, bias and ALiBi,
   // masks, softmax with the sink, dropout.
+  const AttentionVariants& var = c.variants;
   Tensor energy = matmul(mul(q, c.scale), k, {c.key_dim});
-  if (c.softcap > 0) energy = mul(tanh(mul(energy, 1.0 / c.softcap)), c.softcap);
-  if (c.bias) energy = add(energy, cast(*c.bias, dt));
+  if (var.softcap) energy = mul(tanh(mul(energy, 1.0 / *var.softcap)), *var.softcap);
+  if (var.bias) energy = add(energy, cast(*var.bias, dt));
 
   // Positions along the diagonal: d = i + offset - j (query row i, kv j).
   const TensorOptions int_opts = options_like(energy, DType::int64);
@@ -99,19 +100,19 @@ ReferenceAttention reference_attention(const AttentionCall& c) {
     if (c.causal_offset) row = add(row, cast(*c.causal_offset, DType::int64));
     diag = sub(row, range_over_dim(c.kv_spatial, int_opts));
   }
-  if (c.alibi_slopes) energy = sub(energy, mul(cast(*c.alibi_slopes, dt), cast(abs(*diag), dt)));
+  if (var.alibi_slopes) energy = sub(energy, mul(cast(*var.alibi_slopes, dt), cast(abs(*diag), dt)));
 
   std::optional<Tensor> valid;
   auto require = [&](const Tensor& allowed) { valid = valid ? logical_and(*valid, allowed) : allowed; };
   if (c.kv_spatial.is_dynamic()) valid = sequence_mask(c.kv_spatial, options_like(energy));
   if (c.causal) require(compare(*diag, Compare::ge, 0.0));
-  if (c.window_left >= 0) require(compare(*diag, Compare::le, static_cast<double>(c.window_left)));
-  if (c.window_right >= 0) require(compare(*diag, Compare::ge, -static_cast<double>(c.window_right)));
-  if (c.mask) require(*c.mask);
+  if (var.window && var.window->left) require(compare(*diag, Compare::le, static_cast<double>(*var.window->left)));
+  if (var.window && var.window->right) require(compare(*diag, Compare::ge, -static_cast<double>(*var.window->right)));
+  if (var.mask) require(*var.mask);
 
   constexpr double kInf = std::numeric_limits<double>::infinity();
   Tensor weights = energy;
-  if (!valid && !c.sinks && !c.bias) {
+  if (!valid && !var.sinks && !var.bias) {
     weights = softmax(energy, c.kv_spatial);
   } else {
     // w = exp(e - m) / (sum exp(e - m) + exp(sink - m)), m = max(max e, sink):
@@ -120,7 +121,7 @@ ReferenceAttention reference_attention(const AttentionCall& c) {
     // there m = -inf is taken as 0 and a zero denominator as 1.
     const Tensor e = valid ? where(*valid, energy, -kInf) : energy;
     std::optional<Tensor> sink;
-    if (c.sinks) sink = cast(*c.sinks, dt);
+    if (var.sinks) sink = cast(*var.sinks, dt);
     Tensor m = reduce_max(e, {c.kv_spatial});
     if (sink) m = maximum(m, *sink);
     m = where(compare(m, Compare::ne, -kInf), m, 0.0);

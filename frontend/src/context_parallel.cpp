@@ -1,46 +1,40 @@
-// dot_attention(..., context_parallel): one attention over a sequence split
-// across the ranks of a process group (docs/distributed.md).
+// context_parallel_attention: one attention over a sequence split across the
+// ranks of a process group (docs/distributed.md), on the public blocks of
+// attention.h alone. This file is the entry and the merge; the layout of the
+// shards and the agreement of the ranks are context_parallel_layout.h, the
+// transfers and failures context_parallel_exchange.h.
 //
 // Every rank computes its query rows against every rank's keys and values,
-// one block per pair of chunks, through dot_attention_block (dimattn's CPU
-// kernel, which returns each row's log-sum-exp); the blocks merge exactly
-// through the lse in float32 (float64 for float64 calls). A block knows where
-// it lies in the sequence (AttentionOptions::positions), so causal masks,
-// windows and ALiBi see global positions and dropout keys its mask by global
-// (query row, kv column): the result and the gradients equal the
+// one block per pair of chunks, through dot_attention_block with the local
+// call's options (only the kv axis, the positional dim and the positions
+// change; the sinks join the merge once); the blocks merge exactly through
+// the lse in float32 (float64 for float64 calls). A block knows where it lies
+// in the sequence (AttentionOptions::positions), so causal masks, windows
+// and ALiBi see global positions and dropout keys its mask by global (query
+// row, kv column) from one seed: the result and the gradients equal the
 // single-process call's, dropout included. Blocks a mask leaves empty are
 // skipped, not computed.
-//
-// ring: each rank's keys and values travel around the ring (send/recv), the
-// next transfer in flight while the current blocks compute; in the backward
-// pass their gradients travel with them and arrive home at the end.
-// all_gather: every rank's keys and values at once, their gradients summed by
-// one all-reduce.
+#include "dimattn/context_parallel.h"
+
 #include <algorithm>
 #include <cmath>
 #include <exception>
-#include <map>
 #include <memory>
-#include <string>
-#include <utility>
 #include <vector>
 
-#include "dimattn/attention.h"
-#include "dimattn/ext/backend.h"
 #include "dimattn/internal/check.h"
 #include "dimattn/run_context.h"
 #include "dimattn/trace.h"
-#include "attention_roles.h"
+#include "common/attention_mask.h"
+#include "context_parallel_exchange.h"
+#include "context_parallel_layout.h"
 #include "op_util.h"
 
 namespace dimattn {
 using namespace detail;
 
 namespace {
-constexpr const char* kOp = "dot_attention";
-
-using Range = std::pair<int64_t, int64_t>;  // [start, end) of the whole sequence's positions
-
+constexpr const char* kOp = "context_parallel_attention";
 
 // x's positions [start, start + into.extent()) along d, as dim `into`.
 Tensor slice_along(const Tensor& x, const Dim& d, int64_t start, const Dim& into) {
@@ -65,127 +59,80 @@ Tensor concat_along(const std::vector<Tensor>& parts, const std::vector<Dim>& ch
   return Tensor(std::move(dims), parts[0].dtype(), parts[0].device(), std::move(raw), &be);
 }
 
-// A tensor's elements, row-major, as a 1-d raw tensor.
-RawPtr flat(const Tensor& x) { return x.backend().reshape(x.backend().contiguous(x.raw()), {x.numel()}); }
+std::vector<Dim> q_dims_of(const std::vector<ContextChunk>& chunks) {
+  std::vector<Dim> out;
+  for (const ContextChunk& c : chunks) out.push_back(c.q_dim);
+  return out;
+}
+std::vector<Dim> kv_dims_of(const std::vector<ContextChunk>& chunks) {
+  std::vector<Dim> out;
+  for (const ContextChunk& c : chunks) out.push_back(c.kv_dim);
+  return out;
+}
 
-// One context-parallel call: its group, chunks and blocks, the exchange of
-// keys and values, and the lse merge, forward and backward.
-class Ring {
+// One more block merged into its rows' running result through the lse.
+void merge(Tensor& out, Tensor& lse, const Tensor& o, const Tensor& l, DType acc) {
+  const Tensor lb = cast(l, acc);
+  const Tensor top = maximum(lse, lb);
+  const Tensor ref = where(compare(top, Compare::eq, -INFINITY), scalar_like(top, 0), top);
+  const Tensor sum = add(exp(sub(lse, ref)), exp(sub(lb, ref)));
+  const Tensor merged = add(ref, log(sum));
+  const Tensor base = where(compare(merged, Compare::eq, -INFINITY), scalar_like(merged, 0), merged);  // empty rows stay 0
+  out = add(mul(out, exp(sub(lse, base))), mul(cast(o, acc), exp(sub(lb, base))));
+  lse = merged;
+}
+
+// One context-parallel call: its group, layout and exchange, and the blocks
+// and their merge, forward and backward.
+class ContextCall {
  public:
-  Ring(Backend& be, std::unique_ptr<ProcessGroup> pg, const ContextParallel& cp) : be_(be), pg_(std::move(pg)), cp_(cp) {
-    world_ = pg_->size();
-    rank_ = pg_->rank();
-  }
-
-  int world() const { return world_; }
-
-  // Exchanges every rank's shard length and call, checks them alike on every
-  // rank (so that bad input raises on every rank), and lays out the chunks.
-  void agree(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionOptions& o, const AttentionCall* local,
-             const std::exception_ptr& local_error) {
-    axis_ = o.axis;
-    key_dim_ = o.key_dim;
-    qdims_ = q.dims();
-    kdims_ = k.dims();
-    vdims_ = v.dims();
-    dtype_ = q.dtype();
-    device_ = q.device();
-    lengths_ = cp_.lengths;
-    if (local) {
-      causal_ = local->causal;
-      dropout_ = local->dropout;
-      broadcast_ = local->dropout_broadcast;
-      seed_ = local->dropout_seed;
-      scale_ = local->scale;
-      window_left_ = local->window_left;
-      window_right_ = local->window_right;
-    }
-    softcap_ = o.softcap;
-    alibi_ = o.alibi_slopes;
-    off_by_one_ = o.sink_off_by_one;
-    const int64_t t_local = q.has(axis_) ? axis_.extent() : 0;
-    const std::vector<double> meta{double(t_local),
-                                   double(seed_ >> 32),
-                                   double(seed_ & 0xffffffffu),
-                                   double(cp_.sharding),
-                                   double(cp_.strategy),
-                                   double(causal_),
-                                   std::round(dropout_ * (1 << 24)),
-                                   double(broadcast_),
-                                   double(window_left_),
-                                   double(window_right_),
-                                   double(lengths_.has_value()),
-                                   double(o.sinks.has_value()) + 2.0 * double(o.sink_off_by_one),
-                                   double(per_position(kdims_)),
-                                   double(per_position(vdims_)),
-                                   double(local_error != nullptr)};
-    const auto n = static_cast<int64_t>(meta.size());
-    std::vector<RawPtr> all;
-    pg_->all_gather(be_.from_host({n}, meta, DType::int64, device_), all)->wait();
-    std::vector<std::vector<double>> metas;
-    for (const RawPtr& r : all) metas.push_back(be_.to_host(r));
-    for (int r = 0; r < world_; ++r) {
-      if (metas[r][14] != 0) {
-        if (r == rank_) std::rethrow_exception(local_error);
-        fail(kOp, "context_parallel: rank ", r, " of the group failed to prepare its call (its own error says why); ",
-             "every rank makes the same call with its own shard");
-      }
-      DIMATTN_CHECK(std::equal(metas[r].begin() + 3, metas[r].begin() + 14, metas[0].begin() + 3), kOp,
-                    "context_parallel: rank ", r, " calls with other options or other sizes of the dims but axis than ",
-                    "rank 0 (sharding, strategy, causal, dropout, window, lengths, sinks; keys and values have ",
-                    metas[r][12], " and ", metas[r][13], " elements per position there, ", metas[0][12], " and ",
-                    metas[0][13], " on rank 0); every rank must make the same call on its own shard");
-      sizes_.push_back(static_cast<int64_t>(metas[r][0]));
-    }
-    seed_ = (uint64_t(metas[0][1]) << 32) | uint64_t(metas[0][2]);  // rank 0's draw, shared
-    int64_t total = 0;
-    for (int64_t s : sizes_) total += s;
-    if (cp_.sharding == ContextSharding::load_balanced) {
-      const bool even = std::all_of(sizes_.begin(), sizes_.end(), [&](int64_t s) { return s == sizes_[0]; });
-      DIMATTN_CHECK(even && sizes_[0] % 2 == 0, kOp, "context_parallel: load_balanced shards hold two equal chunks ",
-                    "each, so every rank's shard has one even length; got shard lengths ", sizes_str(), " along ",
-                    axis_.repr());
-      for (int r = 0; r < world_; ++r) ranges_.push_back(context_shard_ranges(total, world_, r, cp_.sharding));
-    } else {
-      int64_t start = 0;
-      for (int r = 0; r < world_; ++r) {
-        ranges_.push_back({{start, start + sizes_[r]}});
-        start += sizes_[r];
-      }
-    }
-    for (int r = 0; r < world_; ++r) shard_dims_.emplace_back(axis_.name() + "@" + std::to_string(r), sizes_[r]);
+  // The group, the agreement of every rank (context_parallel_layout.h) and
+  // the blocks' options: the local call's `local` (checked on this rank,
+  // `local_error` when that failed), sinks dropped, rank 0's dropout seed.
+  ContextCall(Backend& be, std::unique_ptr<ProcessGroup> pg, const ContextParallel& cp, const Tensor& q,
+              const Tensor& k, const Tensor& v, const AttentionOptions& local, double dropout, uint64_t seed,
+              const std::exception_ptr& local_error)
+      : pg_(std::move(pg)),
+        layout_(agree_layout(be, *pg_, cp, q, k, v, local, dropout, seed, local_error)),
+        exchange_(be, *pg_, layout_, cp.strategy),
+        opts_(local),
+        dropout_(dropout),
+        sink_off_by_one_(local.variants.sink_off_by_one) {
+    opts_.variants.sinks.reset();
+    opts_.variants.sink_off_by_one = false;
+    opts_.dropout_seed = layout_.seed;
+    if (opts_.causal_query_spatial_dim) opts_.query_position_dim.reset();  // one positional dim per block
   }
 
   // This rank's output and, per query chunk, the lse of its rows. `sinks`:
   // the call's learnable sinks (else the off-by-one sink, or none).
   CustomFunction::Result forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                  const std::optional<Tensor>& sinks) {
-    const std::vector<Chunk> mine = chunks(rank_);
+    const ContextLayout& l = layout_;
+    const std::vector<ContextChunk>& mine = l.chunks[l.rank];
+    const DType acc = l.acc_dtype();
     std::vector<Tensor> acc_out, acc_lse;
-    for (const Chunk& c : mine) {
-      acc_out.push_back(zeros(out_dims(c.q_dim), options_like(q, acc_dtype())));
-      acc_lse.push_back(full(lse_dims(c.q_dim), -INFINITY, options_like(q, acc_dtype())));
+    for (const ContextChunk& c : mine) {
+      acc_out.push_back(zeros(l.out_dims(c.q_dim), options_like(q, acc)));
+      acc_lse.push_back(full(l.lse_dims(c.q_dim), -INFINITY, options_like(q, acc)));
     }
-    exchange(k, v, [&](int r, const Tensor& kr, const Tensor& vr) {
+    exchange_.each_shard(k, v, [&](int r, const Tensor& kr, const Tensor& vr) {
       for_blocks(r, kr, vr, [&](const Block& b) {
-        const AttentionBlock res = attention_block(slice_along(q, axis_, b.q->offset, b.q->q_dim), b.k, b.v,
-                                                   b.opts, seed_);
-        merge(acc_out[b.i], acc_lse[b.i], res.output, res.lse);
+        const AttentionBlock res =
+            dot_attention_block(slice_along(q, l.axis, b.q->offset, b.q->q_dim), b.k, b.v, b.opts);
+        merge(acc_out[b.i], acc_lse[b.i], res.output, res.lse, acc);
       });
     });
     // A sink joins every row's denominator once, with no value: one more
     // block of lse = its logit and output 0.
-    const std::optional<Tensor> sink = sinks ? sinks : off_by_one_ ? std::optional(scalar_like(q, 0)) : std::nullopt;
+    const std::optional<Tensor> sink =
+        sinks ? sinks : sink_off_by_one_ ? std::optional(scalar_like(q, 0)) : std::nullopt;
     if (sink)
-      for (size_t i = 0; i < mine.size(); ++i) merge(acc_out[i], acc_lse[i], scalar_like(q, 0), *sink);
+      for (size_t i = 0; i < mine.size(); ++i) merge(acc_out[i], acc_lse[i], scalar_like(q, 0), *sink, acc);
     std::vector<Tensor> outs;
-    std::vector<Dim> q_dims;
-    for (size_t i = 0; i < mine.size(); ++i) {
-      outs.push_back(cast(acc_out[i], dtype_));
-      q_dims.push_back(mine[i].q_dim);
-    }
+    for (const Tensor& o : acc_out) outs.push_back(cast(o, l.dtype));
     CustomFunction::Result result;
-    result.outputs = {concat_along(outs, q_dims, axis_)};
+    result.outputs = {concat_along(outs, q_dims_of(mine), l.axis)};
     result.saved = {q, k, v, result.outputs[0]};
     result.saved.insert(result.saved.end(), acc_lse.begin(), acc_lse.end());
     if (sinks) result.saved.push_back(*sinks);
@@ -195,94 +142,65 @@ class Ring {
   // d(query), d(keys), d(values) (and d(sinks) with learnable sinks) from
   // the saved tensors and d(output).
   std::vector<Tensor> backward(const std::vector<Tensor>& saved, const Tensor& dout, bool with_sinks) {
+    const ContextLayout& l = layout_;
     const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3];
-    const std::vector<Chunk> mine = chunks(rank_);
-    std::vector<Tensor> dq;  // per query chunk, in acc_dtype
-    for (const Chunk& c : mine) dq.push_back(zeros(replaced(qdims_, c.q_dim), options_like(q, acc_dtype())));
-    const bool ring = cp_.strategy == ContextStrategy::ring;
-    const int nxt = (rank_ + 1) % world_, prv = (rank_ + world_ - 1) % world_;
-    CollectiveWorkPtr sending;
-    std::vector<RawPtr> slots;  // all_gather: each rank's flat gradients
-    exchange(k, v, [&](int r, const Tensor& kr, const Tensor& vr) {
-      // Ring: d(keys), d(values) of rank r travel with its keys. This step's
-      // blocks add into fresh zeros while the sum of the ranks before
-      // arrives; both meet after the blocks, and the sum moves on while the
-      // next step computes.
-      RawPtr incoming;
-      CollectiveWorkPtr receiving;
-      if (ring && r != rank_) {
-        incoming = be_.full({packed_size(r)}, 0, acc_dtype(), device_);
-        receiving = pg_->recv(incoming, prv, 1);
-      }
+    const std::vector<ContextChunk>& mine = l.chunks[l.rank];
+    const DType acc = l.acc_dtype();
+    std::vector<Tensor> dq;  // per query chunk
+    for (const ContextChunk& c : mine) dq.push_back(zeros(l.replaced(l.qdims, c.q_dim), options_like(q, acc)));
+    const auto [gk, gv] = exchange_.each_shard_back(k, v, [&](int r, const Tensor& kr, const Tensor& vr) {
+      const std::vector<ContextChunk>& theirs = l.chunks[r];
       std::vector<Tensor> dk, dv;  // per kv chunk of rank r
-      for (const Chunk& c : chunks(r)) {
-        dk.push_back(zeros(replaced(kdims_, c.kv_dim), options_like(k, acc_dtype())));
-        dv.push_back(zeros(replaced(vdims_, c.kv_dim), options_like(v, acc_dtype())));
+      for (const ContextChunk& c : theirs) {
+        dk.push_back(zeros(l.replaced(l.kdims, c.kv_dim), options_like(k, acc)));
+        dv.push_back(zeros(l.replaced(l.vdims, c.kv_dim), options_like(v, acc)));
       }
       for_blocks(r, kr, vr, [&](const Block& b) {
         const Dim& qd = b.q->q_dim;
-        const AttentionBlock merged{slice_along(out, axis_, b.q->offset, qd), saved[4 + b.i]};
-        const AttentionGrads g = attention_block_backward(slice_along(q, axis_, b.q->offset, qd), b.k, b.v, b.opts,
-                                                          merged, slice_along(dout, axis_, b.q->offset, qd), seed_);
-        dq[b.i] = add(dq[b.i], cast(g.query, acc_dtype()));
-        dk[b.j] = add(dk[b.j], cast(g.keys, acc_dtype()));
-        dv[b.j] = add(dv[b.j], cast(g.values, acc_dtype()));
+        const AttentionBlock merged{slice_along(out, l.axis, b.q->offset, qd), saved[4 + b.i]};
+        const AttentionGrads g =
+            dot_attention_block_backward(slice_along(q, l.axis, b.q->offset, qd), b.k, b.v, b.opts, merged,
+                                         slice_along(dout, l.axis, b.q->offset, qd));
+        dq[b.i] = add(dq[b.i], cast(g.query, acc));
+        dk[b.j] = add(dk[b.j], cast(g.keys, acc));
+        dv[b.j] = add(dv[b.j], cast(g.values, acc));
       });
-      std::vector<Dim> kv_dims;
-      for (const Chunk& c : chunks(r)) kv_dims.push_back(c.kv_dim);
-      RawPtr grads = be_.concat({flat(concat_along(dk, kv_dims, shard_dims_[r])),
-                                 flat(concat_along(dv, kv_dims, shard_dims_[r]))}, 0);
-      if (!ring) {
-        slots.push_back(be_.concat({grads, be_.full({max_packed_size() - packed_size(r)}, 0, acc_dtype(), device_)}, 0));
-        return;
-      }
-      if (receiving) {
-        receiving->wait();
-        grads = be_.binary(BinaryOp::add, grads, incoming);
-      }
-      if (sending) sending->wait();
-      sending = pg_->send(grads, nxt, 1);
+      return std::pair{concat_along(dk, kv_dims_of(theirs), l.shard_dims[r]),
+                       concat_along(dv, kv_dims_of(theirs), l.shard_dims[r])};
     });
-    RawPtr own;
-    if (ring) {
-      // After the last step this rank's own gradients arrive, summed over
-      // every rank.
-      own = be_.full({packed_size(rank_)}, 0, acc_dtype(), device_);
-      pg_->recv(own, prv, 1)->wait();
-      if (sending) sending->wait();
-    } else {
-      // slots are in the order exchange() visits the ranks: rank - step.
-      std::vector<RawPtr> ordered(world_);
-      for (int step = 0; step < world_; ++step) ordered[(rank_ - step + world_) % world_] = slots[step];
-      RawPtr all = be_.concat(ordered, 0);
-      pg_->all_reduce_sum(all)->wait();
-      own = be_.slice(all, 0, rank_ * max_packed_size(), rank_ * max_packed_size() + packed_size(rank_));
-    }
-    std::vector<Dim> q_dims;
-    for (const Chunk& c : mine) q_dims.push_back(c.q_dim);
-    const auto [gk, gv] = unpack(own, rank_, acc_dtype());
-    std::vector<Tensor> grads{cast(concat_along(dq, q_dims, axis_), dtype_),
-                              cast(replace_dim(gk, shard_dims_[rank_], axis_), dtype_),
-                              cast(replace_dim(gv, shard_dims_[rank_], axis_), dtype_)};
+    std::vector<Tensor> grads{cast(concat_along(dq, q_dims_of(mine), l.axis), l.dtype), cast(gk, l.dtype),
+                              cast(gv, l.dtype)};
     if (with_sinks) grads.push_back(sinks_gradient(saved, dout));
     return grads;
   }
 
+  ContextExchange& exchange() { return exchange_; }
+
+ private:
+  struct Block {
+    size_t i, j;  // the query chunk (of this rank), the kv chunk (of its rank)
+    const ContextChunk* q;
+    Tensor k, v;  // the kv chunk's keys and values
+    AttentionOptions opts;
+  };
+
   // d(sinks) of this rank's rows: -sum_i exp(sink - lse_i) (dO_i . O_i),
   // summed over the dims the sinks lack (each rank's part; summed over the
   // ranks, as replicated parameters' gradients are, it is the whole call's).
-  Tensor sinks_gradient(const std::vector<Tensor>& saved, const Tensor& dout) {
+  Tensor sinks_gradient(const std::vector<Tensor>& saved, const Tensor& dout) const {
+    const ContextLayout& l = layout_;
     const Tensor& out = saved[3];
     const Tensor& sinks = saved.back();
-    const Tensor s = cast(sinks, acc_dtype());
-    const std::vector<Chunk> mine = chunks(rank_);
+    const DType acc = l.acc_dtype();
+    const Tensor s = cast(sinks, acc);
+    const std::vector<ContextChunk>& mine = l.chunks[l.rank];
     std::optional<Tensor> total;
     for (size_t i = 0; i < mine.size(); ++i) {
-      const Chunk& c = mine[i];
+      const ContextChunk& c = mine[i];
       const Tensor& lse = saved[4 + i];
-      const Tensor rows = reduce_sum(mul(cast(slice_along(dout, axis_, c.offset, c.q_dim), acc_dtype()),
-                                         cast(slice_along(out, axis_, c.offset, c.q_dim), acc_dtype())),
-                                     value_features());
+      const Tensor rows = reduce_sum(mul(cast(slice_along(dout, l.axis, c.offset, c.q_dim), acc),
+                                         cast(slice_along(out, l.axis, c.offset, c.q_dim), acc)),
+                                     l.value_features());
       const Tensor part = mul(exp(sub(s, lse)), rows);
       const Tensor summed = reduce_sum(part, without(part.dims(), sinks.dims()));
       total = total ? add(*total, summed) : summed;
@@ -290,99 +208,42 @@ class Ring {
     return cast(copy_transpose(neg(*total), sinks.dims()), sinks.dtype());
   }
 
-  // fn() on every rank, then one all-reduce of who failed: a rank whose peer
-  // failed raises too instead of returning (or waiting forever on a transfer
-  // that never comes: each wait is bounded by the timeout).
-  template <class F>
-  auto guarded(F fn) -> decltype(fn()) {
-    std::exception_ptr error;
-    decltype(fn()) result;
-    try {
-      result = fn();
-    } catch (...) {
-      error = std::current_exception();
+  // Whether the masks leave every element of the block empty (no kernel
+  // call): no row of the query range attends into the kv range, by the
+  // kernels' own row ranges (kernels/common/attention_mask.h) over the whole
+  // sequence's positions (padding is not looked at: such blocks still run).
+  bool skipped(const PositionRange& q, const PositionRange& kv) const {
+    const std::optional<AttentionWindow>& w = opts_.variants.window;
+    const kernels::RowBounds bounds{w ? w->left.value_or(-1) : -1, w ? w->right.value_or(-1) : -1};
+    const bool causal = opts_.causal_query_spatial_dim.has_value();
+    const kernels::EntryMask m =
+        kernels::entry_mask(nullptr, nullptr, nullptr, causal, q.second, kv.second, 0, bounds);
+    for (int64_t i = q.first; i < q.second; ++i) {
+      const kernels::Range row = m.row(i);
+      if (std::max(row.lo, kv.first) < std::min(row.hi, kv.second)) return false;
     }
-    std::vector<double> flags(world_, 0.0);
-    if (error) flags[rank_] = 1;
-    const RawPtr failed = be_.from_host({world_}, flags, DType::int32, device_);
-    try {
-      pg_->all_reduce_sum(failed)->wait();
-    } catch (...) {
-      if (!error) throw;
-    }
-    if (error) std::rethrow_exception(error);
-    const std::vector<double> sums = be_.to_host(failed);
-    std::string ranks;
-    for (int r = 0; r < world_; ++r)
-      if (sums[r] != 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-    DIMATTN_CHECK(ranks.empty(), kOp, "context_parallel: rank(s) ", ranks, " of the group failed in this call (their ",
-                  "own errors say why); this rank's result would be incomplete");
-    return result;
-  }
-
- private:
-  // A chunk of a rank's shard: its place in the sequence and in the shard,
-  // and the dims of its query rows and of its kv positions.
-  struct Chunk {
-    Range range;
-    int64_t offset;
-    Dim q_dim, kv_dim;
-  };
-  struct Block {
-    size_t i, j;       // the query chunk (of this rank), the kv chunk (of its rank)
-    const Chunk* q;
-    Tensor k, v;       // the kv chunk's keys and values
-    AttentionOptions opts;
-  };
-
-  std::vector<Chunk> chunks(int r) {
-    auto it = chunks_.find(r);
-    if (it != chunks_.end()) return it->second;
-    std::vector<Chunk> out;
-    int64_t offset = 0;
-    for (const Range& range : ranges_[r]) {
-      out.push_back({range, offset, chunk_dim(axis_.name(), range), chunk_dim(axis_.name() + "_kv", range)});
-      offset += range.second - range.first;
-    }
-    return chunks_[r] = out;
-  }
-
-  Dim chunk_dim(const std::string& name, const Range& r) const {
-    if (!lengths_) return Dim(name, r.second - r.first);
-    return Dim::dynamic(name, window_lengths(*lengths_, r.first, r.second - r.first), r.second - r.first);
-  }
-
-  // Whether a mask leaves every element of the block empty (no kernel call).
-  bool skipped(const Range& q, const Range& kv) const {
-    if (q.second <= q.first || kv.second <= kv.first) return true;
-    if (causal_ && kv.first > q.second - 1) return true;
-    if (window_left_ >= 0 && kv.second - 1 < q.first - window_left_) return true;
-    if (window_right_ >= 0 && kv.first > q.second - 1 + window_right_) return true;
-    return false;
+    return true;
   }
 
   // fn(block) for each block of this rank's query chunks against rank r's
-  // keys kr and values vr that some element reaches.
+  // keys kr and values vr that some element reaches: the local call's
+  // options with the kv chunk's axis, the query chunk's positional dim and
+  // the chunks' positions.
   template <class F>
-  void for_blocks(int r, const Tensor& kr, const Tensor& vr, F fn) {
-    const std::vector<Chunk> theirs = chunks(r), mine = chunks(rank_);
+  void for_blocks(int r, const Tensor& kr, const Tensor& vr, F fn) const {
+    const ContextLayout& l = layout_;
+    const std::vector<ContextChunk>& theirs = l.chunks[r];
+    const std::vector<ContextChunk>& mine = l.chunks[l.rank];
     for (size_t j = 0; j < theirs.size(); ++j) {
-      const Chunk& kc = theirs[j];
-      const Tensor kb = slice_along(kr, shard_dims_[r], kc.offset, kc.kv_dim);
-      const Tensor vb = slice_along(vr, shard_dims_[r], kc.offset, kc.kv_dim);
+      const ContextChunk& kc = theirs[j];
+      const Tensor kb = slice_along(kr, l.shard_dims[r], kc.offset, kc.kv_dim);
+      const Tensor vb = slice_along(vr, l.shard_dims[r], kc.offset, kc.kv_dim);
       for (size_t i = 0; i < mine.size(); ++i) {
-        const Chunk& qc = mine[i];
+        const ContextChunk& qc = mine[i];
         if (skipped(qc.range, kc.range)) continue;
-        AttentionOptions o{.key_dim = key_dim_, .axis = kc.kv_dim};
-        o.att_dropout = dropout_;
-        o.att_dropout_broadcast = broadcast_;
-        (causal_ ? o.causal_query_spatial_dim : o.query_position_dim) = qc.q_dim;
-        o.scale = scale_;
-        if (window_left_ >= 0 || window_right_ >= 0)
-          o.window = AttentionWindow{window_left_ >= 0 ? std::optional<int64_t>(window_left_) : std::nullopt,
-                                     window_right_ >= 0 ? std::optional<int64_t>(window_right_) : std::nullopt};
-        o.softcap = softcap_;
-        o.alibi_slopes = alibi_;
+        AttentionOptions o = opts_;
+        o.axis = kc.kv_dim;
+        (o.causal_query_spatial_dim ? o.causal_query_spatial_dim : o.query_position_dim) = qc.q_dim;
         o.positions = AttentionPositions{qc.range.first, kc.range.first};
         const TrainFlagScope train(dropout_ > 0);  // the backward pass runs after the caller's scope ended
         fn(Block{i, j, &qc, kb, vb, std::move(o)});
@@ -390,227 +251,92 @@ class Ring {
     }
   }
 
-  // fn(r, keys, values) for every rank r in the order this rank meets them
-  // (its own first), rank r's shard over its shard dim; with the ring, the
-  // transfer of the next in flight while fn computes.
-  template <class F>
-  void exchange(const Tensor& k, const Tensor& v, F fn) {
-    RawPtr packed = be_.concat({flat(k), flat(v)}, 0);
-    std::vector<RawPtr> gathered;
-    if (cp_.strategy == ContextStrategy::all_gather) {
-      RawPtr mine = be_.concat({packed, be_.full({max_packed_size() - packed_size(rank_)}, 0, dtype_, device_)}, 0);
-      pg_->all_gather(mine, gathered)->wait();
-    }
-    const int nxt = (rank_ + 1) % world_, prv = (rank_ + world_ - 1) % world_;
-    for (int step = 0; step < world_; ++step) {
-      const int r = (rank_ - step + world_) % world_;
-      if (!gathered.empty()) {
-        const auto [kr, vr] = unpack(be_.slice(gathered[r], 0, 0, packed_size(r)), r, dtype_);
-        fn(r, kr, vr);
-        continue;
-      }
-      CollectiveWorkPtr send, recv;
-      RawPtr next;
-      if (step < world_ - 1) {
-        next = be_.full({packed_size((r + world_ - 1) % world_)}, 0, dtype_, device_);
-        send = pg_->send(packed, nxt, 0);
-        recv = pg_->recv(next, prv, 0);
-      }
-      const auto [kr, vr] = unpack(packed, r, dtype_);
-      fn(r, kr, vr);
-      if (send) {
-        send->wait();
-        recv->wait();
-        packed = next;
-      }
-    }
-  }
-
-  // Rank r's keys and values (over its shard dim) from one flat buffer.
-  std::pair<Tensor, Tensor> unpack(const RawPtr& packed, int r, DType dt) {
-    auto shaped = [&](const Dims& dims, int64_t start, int64_t n) {
-      const Dims d = replaced(dims, shard_dims_[r]);
-      Shape shape;
-      for (const Dim& x : d) shape.push_back(x.extent());
-      return Tensor(d, dt, device_, be_.reshape(be_.slice(packed, 0, start, start + n), shape), &be_);
-    };
-    const int64_t nk = per_position(kdims_) * sizes_[r];
-    return {shaped(kdims_, 0, nk), shaped(vdims_, nk, per_position(vdims_) * sizes_[r])};
-  }
-
-  int64_t per_position(const Dims& dims) const {
-    int64_t n = 1;
-    for (const Dim& d : dims)
-      if (d != axis_) n *= d.extent();
-    return n;
-  }
-  int64_t packed_size(int r) const { return (per_position(kdims_) + per_position(vdims_)) * sizes_[r]; }
-  int64_t max_packed_size() const {
-    return (per_position(kdims_) + per_position(vdims_)) * *std::max_element(sizes_.begin(), sizes_.end());
-  }
-
-  Dims replaced(const Dims& dims, const Dim& by) const {
-    Dims out = dims;
-    for (Dim& d : out)
-      if (d == axis_) d = by;
-    return out;
-  }
-
-  // The output's dims for a query chunk: the query's but key_dim, the keys'
-  // and values' own dims but axis; value features included (lse_dims: not).
-  Dims out_dims(const Dim& q_dim) const { return union_dims(lse_dims(q_dim), value_features()); }
-  Dims lse_dims(const Dim& q_dim) const {
-    Dims out;
-    for (const Dims* dims : {&qdims_, &kdims_})
-      for (const Dim& d : *dims)
-        if (d != key_dim_ && !contains(out, d)) out.push_back(d);
-    return replaced(without(out, value_features()), q_dim);
-  }
-  Dims value_features() const {
-    Dims out;
-    for (const Dim& d : vdims_)
-      if (d == key_dim_ || (d != axis_ && !contains(qdims_, d) && !contains(kdims_, d))) out.push_back(d);
-    return out;
-  }
-  static bool contains(const Dims& dims, const Dim& d) { return std::find(dims.begin(), dims.end(), d) != dims.end(); }
-
-  DType acc_dtype() const { return dtype_ == DType::float64 ? DType::float64 : DType::float32; }
-
-  // One more block merged into its rows' running result through the lse.
-  void merge(Tensor& out, Tensor& lse, const Tensor& o, const Tensor& l) const {
-    const Tensor lb = cast(l, acc_dtype());
-    const Tensor top = maximum(lse, lb);
-    const Tensor ref = where(compare(top, Compare::eq, -INFINITY), scalar_like(top, 0), top);
-    const Tensor sum = add(exp(sub(lse, ref)), exp(sub(lb, ref)));
-    const Tensor merged = add(ref, log(sum));
-    const Tensor base = where(compare(merged, Compare::eq, -INFINITY), scalar_like(merged, 0), merged);  // empty rows stay 0
-    out = add(mul(out, exp(sub(lse, base))), mul(cast(o, acc_dtype()), exp(sub(lb, base))));
-    lse = merged;
-  }
-
-  std::string sizes_str() const {
-    std::string s;
-    for (int64_t x : sizes_) s += (s.empty() ? "" : ", ") + std::to_string(x);
-    return "[" + s + "]";
-  }
-
-  Backend& be_;
   std::unique_ptr<ProcessGroup> pg_;
-  ContextParallel cp_;
-  int world_ = 0, rank_ = 0;
-  Dim axis_{"", 0}, key_dim_{"", 0};
-  Dims qdims_, kdims_, vdims_;
-  DType dtype_ = DType::float32;
-  Device device_{};
-  std::optional<Tensor> lengths_;
-  bool causal_ = false, broadcast_ = false;
-  double dropout_ = 0.0;
-  uint64_t seed_ = 0;
-  double scale_ = 1.0;
-  int64_t window_left_ = -1, window_right_ = -1;
-  std::optional<double> softcap_;
-  std::optional<Tensor> alibi_;
-  bool off_by_one_ = false;
-  std::vector<int64_t> sizes_;
-  std::vector<std::vector<Range>> ranges_;
-  std::vector<Dim> shard_dims_;  // per rank: its shard's positions, as received
-  std::map<int, std::vector<Chunk>> chunks_;
+  ContextLayout layout_;
+  ContextExchange exchange_;
+  AttentionOptions opts_;  // the blocks': the local call's, without sinks, with the shared seed
+  double dropout_;         // as it acts in this call (0 when the train flag is off)
+  bool sink_off_by_one_;  // the call's: a sink of logit 0, merged once
 };
 
 // The checks every rank makes alike on its own (the same call everywhere).
-void check_local(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionOptions& o) {
-  const ContextParallel& cp = *o.context_parallel;
+void check_local(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionOptions& o,
+                 const ContextParallel& cp) {
   for (const auto& [name, x] : {std::pair{"query", &q}, std::pair{"keys", &k}, std::pair{"values", &v}})
-    DIMATTN_CHECK(x->has(o.axis), kOp, "context_parallel shards the sequence dim axis ", o.axis.repr(), " of query, ",
-                  "keys and values together (self-attention), but ", name, " ", repr(x->dims()), " lacks it; a dim ",
-                  "that is not the query's positional dim and the kv axis at once cannot be sharded");
+    DIMATTN_CHECK(x->has(o.axis), kOp, "shards the sequence dim axis ", o.axis.repr(), " of query, keys and values ",
+                  "together (self-attention), but ", name, " ", repr(x->dims()), " lacks it; a dim that is not the ",
+                  "query's positional dim and the kv axis at once cannot be sharded");
   for (const auto& [name, d] : {std::pair{"causal_query_spatial_dim", &o.causal_query_spatial_dim},
                                 std::pair{"query_position_dim", &o.query_position_dim}})
-    DIMATTN_CHECK(!*d || **d == o.axis, kOp, "context_parallel shards axis ", o.axis.repr(), ", but ", name, " is ",
-                  (*d)->repr(), ": the sharded dim must be the query's positional dim");
+    DIMATTN_CHECK(!*d || **d == o.axis, kOp, "shards axis ", o.axis.repr(), ", but ", name, " is ", (*d)->repr(),
+                  ": the sharded dim must be the query's positional dim");
   std::string bad;
   auto unsupported = [&](bool set, const char* what) {
     if (set) bad += (bad.empty() ? "" : ", ") + std::string(what);
   };
   unsupported(o.causal_offset.has_value(), "causal_offset");
   unsupported(o.positions.has_value(), "positions");
-  unsupported(o.bias.has_value(), "bias");
-  unsupported(o.mask.has_value(), "mask");
-  DIMATTN_CHECK(bad.empty(), kOp, "context_parallel does not take ", bad, " yet (a bias, mask or offset over the ",
-                "whole sequence would have to be split with it); call without them or on one process");
-  DIMATTN_CHECK(!TraceScope::capturing(), kOp, "context_parallel calls cannot be traced (the energies live on every ",
-                "rank); trace a single-process call");
+  unsupported(o.variants.bias.has_value(), "bias");
+  unsupported(o.variants.mask.has_value(), "mask");
+  DIMATTN_CHECK(bad.empty(), kOp, "does not take ", bad, " yet (a bias, mask or offset over the whole sequence ",
+                "would have to be split with it); call without them or on one process");
+  DIMATTN_CHECK(!TraceScope::capturing(), kOp, "calls cannot be traced (the energies live on every rank); trace a ",
+                "single-process call");
   if (cp.lengths) {
-    DIMATTN_CHECK(!o.axis.is_dynamic(), kOp, "context_parallel has the whole sequence's lengths, and axis ",
-                  o.axis.repr(), " is dynamic too; give each rank's shard a static axis of its size");
+    DIMATTN_CHECK(!o.axis.is_dynamic(), kOp, "has the whole sequence's lengths, and axis ", o.axis.repr(),
+                  " is dynamic too; give each rank's shard a static axis of its size");
     const DType dt = cp.lengths->dtype();
-    DIMATTN_CHECK(dt == DType::int32 || dt == DType::int64, kOp, "context_parallel lengths must be int32 or int64, got ",
+    DIMATTN_CHECK(dt == DType::int32 || dt == DType::int64, kOp, "lengths must be int32 or int64, got ",
                   cp.lengths->repr());
     for (const Dim& d : cp.lengths->dims())
-      DIMATTN_CHECK(q.has(d) && k.has(d) && v.has(d) && d != o.axis && d != o.key_dim, kOp, "context_parallel ",
-                    "lengths ", repr(cp.lengths->dims()), " vary over ", d.repr(), ", which is not a batch dim of ",
-                    "query, keys and values");
+      DIMATTN_CHECK(q.has(d) && k.has(d) && v.has(d) && d != o.axis && d != o.key_dim, kOp, "lengths ",
+                    repr(cp.lengths->dims()), " vary over ", d.repr(), ", which is not a batch dim of query, keys ",
+                    "and values");
   }
 }
 
 }  // namespace
 
-std::vector<std::pair<int64_t, int64_t>> context_shard_ranges(int64_t total, int world, int rank,
-                                                              ContextSharding sharding) {
-  const char* op = "context_shard_ranges";
-  DIMATTN_CHECK(world >= 1 && rank >= 0 && rank < world && total >= 0, op, "needs 0 <= rank < world and total >= 0; ",
-                "got total ", total, ", world ", world, ", rank ", rank);
-  if (sharding == ContextSharding::load_balanced) {
-    DIMATTN_CHECK(total % (2 * world) == 0, op, "load_balanced sharding splits the sequence into 2 x ", world,
-                  " equal chunks, but its length ", total, " is not a multiple of ", 2 * world,
-                  "; pad it or use contiguous sharding");
-    const int64_t c = total / (2 * world);
-    return {{rank * c, (rank + 1) * c}, {(2 * world - 1 - rank) * c, (2 * world - rank) * c}};
-  }
-  const int64_t base = total / world, extra = total % world;
-  const int64_t start = rank * base + std::min<int64_t>(rank, extra);
-  return {{start, start + base + (rank < extra ? 1 : 0)}};
-}
-
-Tensor detail::context_parallel_attention(const Tensor& query, const Tensor& keys, const Tensor& values,
-                                          const AttentionOptions& o) {
-  const ContextParallel& cp = *o.context_parallel;
-  check_local(query, keys, values, o);
+Tensor context_parallel_attention(const Tensor& query, const Tensor& keys, const Tensor& values,
+                                  const AttentionOptions& o, const ContextParallel& cp) {
+  check_local(query, keys, values, o, cp);
   Backend& be = query.backend();
-  auto ring = std::make_shared<Ring>(be, be.process_group(cp.group, cp.timeout_seconds), cp);
-  DIMATTN_CHECK(ring->world() >= 2, kOp, "context_parallel over a process group of size ", ring->world(), " ('",
-                cp.group, "'): there is nothing to split; call dot_attention without context_parallel");
-  // The call on this rank's shard alone checks the rest like dot_attention
-  // does, and draws the dropout seed (rank 0's is shared).
+  std::unique_ptr<ProcessGroup> pg = be.process_group(cp.group, cp.timeout_seconds);
+  DIMATTN_CHECK(pg->size() >= 2, kOp, "over a process group of size ", pg->size(), " ('", cp.group,
+                "'): there is nothing to split; call dot_attention on one process");
+  // The call on this rank's shard alone, checked as dot_attention checks it,
+  // with the seed its dropout draws as a single-process call draws it (rank
+  // 0's is shared).
+  const double dropout = train_flag() ? o.att_dropout : 0.0;  // as it acts
   AttentionOptions local = o;
-  local.context_parallel.reset();
   if (!local.causal_query_spatial_dim) local.query_position_dim = o.axis;
-  std::optional<Prepared> prepared;
+  if (dropout > 0 && !local.dropout_seed) local.dropout_seed = next_random_seed();
+  // The blocks pass every variant on (they copy these options), the sinks
+  // through the merge; check_local rejected those over the whole sequence.
   std::exception_ptr error;
   try {
-    prepared.emplace(prepare(query, keys, values, local));
-    // The variants the blocks pass on (for_blocks); any other would be dropped.
-    using V = VariantKind;
-    const VariantSet passed =
-        VariantSet().set(V::window).set(V::softcap).set(V::alibi).set(V::sinks).set(V::sinks_grad);
-    const VariantSet other = prepared->call.variants().without(passed);
-    DIMATTN_CHECK(!other.any(), kOp, "context_parallel does not take ", other.names(true), " yet; call without it or on ",
-                  "one process");
+    explain_attention(query, keys, values, local);
   } catch (const Error&) {
     error = std::current_exception();
   }
-  ring->agree(query, keys, values, o, prepared ? &prepared->call : nullptr, error);
+  auto call = std::make_shared<ContextCall>(be, std::move(pg), cp, query, keys, values, local, dropout,
+                                            local.dropout_seed.value_or(0), error);
 
   auto fn = std::make_shared<CustomFunction>();
-  const bool learnable = o.sinks.has_value();
-  fn->forward = [ring, learnable](const std::vector<Tensor>& in) {
-    return ring->guarded([&] { return ring->forward(in[0], in[1], in[2], learnable ? std::optional(in[3]) : std::nullopt); });
+  const bool learnable = o.variants.sinks.has_value();
+  fn->forward = [call, learnable](const std::vector<Tensor>& in) {
+    CustomFunction::Result result;
+    call->exchange().guarded(
+        [&] { result = call->forward(in[0], in[1], in[2], learnable ? std::optional(in[3]) : std::nullopt); });
+    return result;
   };
-  fn->backward = [ring, learnable](const std::vector<Tensor>& saved, const std::vector<Tensor>& grads) {
-    return ring->guarded([&] { return ring->backward(saved, grads[0], learnable); });
+  fn->backward = [call, learnable](const std::vector<Tensor>& saved, const std::vector<Tensor>& grads) {
+    std::vector<Tensor> result;
+    call->exchange().guarded([&] { result = call->backward(saved, grads[0], learnable); });
+    return result;
   };
   std::vector<Tensor> inputs{query, keys, values};
-  if (learnable) inputs.push_back(*o.sinks);
+  if (learnable) inputs.push_back(*o.variants.sinks);
   return be.apply_custom_function(inputs, fn)[0];
 }
 

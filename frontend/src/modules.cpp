@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "dimattn/error.h"
 #include "dimattn/internal/check.h"
@@ -57,14 +58,17 @@ std::tuple<Tensor, Tensor, Dim> keep_last(const Tensor& keys, const Tensor& valu
   return {gather(keys, axis, idx), gather(values, axis, idx), hist};
 }
 
-void check_window(const char* module, const AttentionConfig& c, bool causal) {
-  if (!c.window) return;
-  const AttentionWindow& w = *c.window;
-  DIMATTN_CHECK(w.left || w.right, module, "window has neither left nor right set; leave window unset for none");
-  DIMATTN_CHECK(!w.left || *w.left >= 0, module, "window.left must be >= 0 positions, got ", w.left.value_or(0));
-  DIMATTN_CHECK(!w.right || *w.right >= 0, module, "window.right must be >= 0 positions, got ", w.right.value_or(0));
-  DIMATTN_CHECK(!causal || !w.right || *w.right == 0, module, "window.right is ", w.right.value_or(0),
-                " but causal attention sees no position after the query; set window.left only");
+// The module's own checks of config.variants; dot_attention checks the rest
+// per call.
+void check_variants(const char* module, const AttentionVariants& v, bool causal) {
+  v.check_values(module, causal);
+  std::string tensors;  // the tensor fields set
+  AttentionVariants::for_each_field(v, [&](const char* name, const auto& field) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(field)>, std::optional<Tensor>>)
+      if (field) tensors += (tensors.empty() ? "" : ", ") + std::string(name);
+  });
+  DIMATTN_CHECK(tensors.empty(), module, "config.variants holds the tensor(s) ", tensors, ", but a module makes its ",
+                "own per call: set config.alibi, config.sinks or config.relative_position instead");
 }
 
 // The check of RelativePositionBuckets; `n` = buckets per direction.
@@ -171,10 +175,11 @@ SelfAttention::SelfAttention(const AttentionConfig& c, const char* module, bool 
       qkv_dim_per_head("qkv_per_head", 2 * key_dim_per_head.extent() + value_dim_per_head.extent()),
       qkv(c.in_dim, heads * qkv_dim_per_head, c.seed, c.opts),
       proj(c.value_dim_total, c.proj_dim, c.seed + 2, c.opts) {
-  check_window(module, c, causal);
+  check_variants(module, c.variants, causal);
   if (c.sinks) sinks = init_uniform({heads}, 1, c.seed + 6, c.opts);
   if (c.alibi) alibi_slopes = from_host({heads}, standard_alibi_slopes(c.num_heads), c.opts);
   if (c.relative_position) relative_position_bias.emplace(heads, *c.relative_position, !causal, c.seed + 7, c.opts);
+  variants().check_values(module, causal);  // with the module's own tensors (its sinks and the off-by-one sink)
 }
 
 std::vector<double> standard_alibi_slopes(int64_t num_heads) {
@@ -204,10 +209,14 @@ AttentionOptions SelfAttention::attention_options(const Dim& axis) const {
           .axis = axis,
           .att_dropout = config.att_dropout,
           .att_dropout_broadcast = config.att_dropout_broadcast,
-          .softcap = config.softcap,
-          .alibi_slopes = alibi_slopes,
-          .sinks = sinks,
-          .sink_off_by_one = config.sink_off_by_one};
+          .variants = variants()};
+}
+
+AttentionVariants SelfAttention::variants() const {
+  AttentionVariants v = config.variants;
+  v.alibi_slopes = alibi_slopes;
+  v.sinks = sinks;
+  return v;
 }
 
 void SelfAttention::add_relative_position_bias(AttentionOptions& o, Tensor& keys, Tensor& values,
@@ -221,15 +230,14 @@ void SelfAttention::add_relative_position_bias(AttentionOptions& o, Tensor& keys
     values = replace_dim(values, query_dim, kv);
     o.axis = kv;
   }
-  o.bias = (*relative_position_bias)(query_dim, o.axis, offset);
+  o.variants.bias = (*relative_position_bias)(query_dim, o.axis, offset);
 }
 
 Tensor SelfAttention::operator()(const Tensor& x, const Dim& axis) const {
   auto [q, k, v] = project_qkv(x);
   AttentionOptions o = attention_options(axis);
   // Self-attention: the query's positions are `axis` (the kv side is relabelled).
-  if (config.window || config.alibi) o.query_position_dim = axis;
-  o.window = config.window;
+  if (o.variants.positional()) o.query_position_dim = axis;
   add_relative_position_bias(o, k, v, axis);
   return merge_heads(dot_attention(q, k, v, o));
 }
@@ -240,7 +248,6 @@ Tensor CausalSelfAttention::operator()(const Tensor& x, const Dim& axis) const {
   auto [q, k, v] = project_qkv(x);
   AttentionOptions o = attention_options(axis);
   o.causal_query_spatial_dim = axis;
-  o.window = config.window;
   add_relative_position_bias(o, k, v, axis);
   return merge_heads(dot_attention(q, k, v, o));
 }
@@ -273,12 +280,11 @@ std::pair<Tensor, CausalSelfAttention::State> CausalSelfAttention::chunk(const T
   // Chunk row i of entry b is position lengths[b] + i of what the state
   // holds; a windowed state holds only the window, which is all row i sees.
   o.causal_offset = state.axis.lengths();
-  o.window = config.window;
   // The chunk's rows sit after the history: the same offset places them.
   add_relative_position_bias(o, k_all, v_all, axis, o.causal_offset);
   Tensor y = merge_heads(dot_attention(q, k_all, v_all, o));
-  if (config.window && config.window->left)
-    std::tie(k_all, v_all, kv_axis) = keep_last(k_all, v_all, kv_axis, *config.window->left);
+  if (const std::optional<AttentionWindow>& w = config.variants.window; w && w->left)
+    std::tie(k_all, v_all, kv_axis) = keep_last(k_all, v_all, kv_axis, *w->left);
   return {y, State{k_all, v_all, kv_axis}};
 }
 
@@ -292,11 +298,16 @@ CrossAttention::CrossAttention(const AttentionConfig& c, Dim enc)
       query(c.in_dim, c.key_dim_total, c.seed, c.opts),
       kv(enc, heads * kv_dim_per_head, c.seed + 4, c.opts),
       proj(c.value_dim_total, c.proj_dim, c.seed + 2, c.opts) {
-  DIMATTN_CHECK(!c.window && !c.alibi && !c.relative_position, "CrossAttention",
-                c.window ? "a window" : c.alibi ? "ALiBi" : "a relative position bias",
+  check_variants("CrossAttention", c.variants, false);
+  const bool window = c.variants.window.has_value();
+  DIMATTN_CHECK(!window && !c.alibi && !c.relative_position, "CrossAttention",
+                window ? "a window" : c.alibi ? "ALiBi" : "a relative position bias",
                 " measures the distance between query and key positions, which cross-attention does not relate ",
                 "(decoder vs encoder); leave window, alibi and relative_position unset");
   if (c.sinks) sinks = init_uniform({heads}, 1, c.seed + 6, c.opts);
+  AttentionVariants own = c.variants;
+  own.sinks = sinks;
+  own.check_values("CrossAttention", false);
 }
 
 CrossAttention::State CrossAttention::transform_encoder(const Tensor& encoder, const Dim& axis) const {
@@ -312,9 +323,8 @@ Tensor CrossAttention::operator()(const Tensor& x, const State& state) const {
                      .axis = state.axis,
                      .att_dropout = config.att_dropout,
                      .att_dropout_broadcast = config.att_dropout_broadcast,
-                     .softcap = config.softcap,
-                     .sinks = sinks,
-                     .sink_off_by_one = config.sink_off_by_one};
+                     .variants = config.variants};
+  o.variants.sinks = sinks;
   Tensor att = dot_attention(q, state.keys, state.values, o);
   return proj(merge_dims(att, {heads, value_dim_per_head}, config.value_dim_total).first);
 }

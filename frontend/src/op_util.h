@@ -4,16 +4,12 @@
 
 #include "dimattn/ext/backend.h"
 #include "dimattn/error.h"
+#include "dimattn/internal/operand_checks.h"
 #include "dimattn/ops.h"
 #include "dimattn/tensor.h"
 
 namespace dimattn::detail {
 
-// The backend all operands live on. Throws, naming both, when they differ in
-// backend or device.
-Backend& common_backend(const char* op, std::initializer_list<const Tensor*> operands);
-// Throws unless every operand has the same dtype.
-void check_same_dtype(const char* op, std::initializer_list<const Tensor*> operands);
 // Options to make a tensor beside x (same backend and device).
 TensorOptions options_like(const Tensor& x, DType dtype);
 TensorOptions options_like(const Tensor& x);

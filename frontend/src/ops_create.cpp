@@ -8,24 +8,6 @@
 namespace dimattn {
 namespace detail {
 
-Backend& common_backend(const char* op, std::initializer_list<const Tensor*> operands) {
-  const Tensor* first = *operands.begin();
-  for (const Tensor* t : operands) {
-    DIMATTN_CHECK(&t->backend() == &first->backend(), op, "operands live on different backends: ", first->repr(),
-          " and ", t->repr(), "; convert one with to_backend(x, \"", first->backend().name(), "\")");
-    DIMATTN_CHECK(t->device() == first->device(), op, "operands live on different devices: ", first->repr(), " and ",
-          t->repr(), "; move one with to_device");
-  }
-  return first->backend();
-}
-
-void check_same_dtype(const char* op, std::initializer_list<const Tensor*> operands) {
-  const Tensor* first = *operands.begin();
-  for (const Tensor* t : operands)
-    DIMATTN_CHECK(t->dtype() == first->dtype(), op, "operands have different dtypes: ", first->repr(), " and ",
-          t->repr(), "; cast one with cast(x, ", dtype_name(first->dtype()), ")");
-}
-
 TensorOptions options_like(const Tensor& x, DType dtype) { return {dtype, x.device(), x.backend().name()}; }
 TensorOptions options_like(const Tensor& x) { return options_like(x, x.dtype()); }
 
@@ -70,18 +52,6 @@ Backend& backend_for(const TensorOptions& opts, const char* op) {
   Backend& b = opts.backend.empty() ? default_backend() : get_backend(opts.backend);
   DIMATTN_CHECK(b.supports(opts.device), op, "backend '", b.name(), "' does not support device ", device_name(opts.device));
   return b;
-}
-
-Shape extents(const Dims& dims) {
-  Shape s;
-  for (const Dim& d : dims) s.push_back(d.extent());
-  return s;
-}
-
-void check_unique(const char* op, const Dims& dims) {
-  for (size_t i = 0; i < dims.size(); ++i)
-    for (size_t j = i + 1; j < dims.size(); ++j)
-      DIMATTN_CHECK(dims[i] != dims[j], op, "dim ", dims[i].repr(), " appears twice in ", repr(dims));
 }
 
 }  // namespace

@@ -7,25 +7,6 @@ using namespace detail;
 
 namespace {
 
-Shape extents(const Dims& dims) {
-  Shape s;
-  for (const Dim& d : dims) s.push_back(d.extent());
-  return s;
-}
-
-// A repeated dim would otherwise surface as a backend permute error or as [Tensor].
-void check_unique(const char* op, const Dims& dims) {
-  for (size_t i = 0; i < dims.size(); ++i)
-    for (size_t j = i + 1; j < dims.size(); ++j)
-      DIMATTN_CHECK(dims[i] != dims[j], op, "dim ", dims[i].repr(), " appears twice in ", repr(dims));
-}
-
-int64_t product(const Dims& dims) {
-  int64_t n = 1;
-  for (const Dim& d : dims) n *= d.extent();
-  return n;
-}
-
 Tensor with_raw(const Tensor& like, Dims dims, RawPtr raw) {
   return Tensor(std::move(dims), like.dtype(), like.device(), std::move(raw), &like.backend());
 }

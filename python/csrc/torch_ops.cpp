@@ -1,33 +1,37 @@
 // dimattn's dot_attention as torch custom ops (TORCH_LIBRARY "dimattn"),
 // loaded by the Python package with torch.ops.load_library; no Python C-API.
+// Their arguments are typed, in groups (op_args.h): <call>, <variants>, <cp>.
 //
-//   dimattn::dot_attention(query, keys, values, aux, spec) -> out
-//   dimattn::dot_attention_backward(grad_out, query, keys, values, aux, spec) -> (gq, gk, gv, gsinks, gbias)
-//   dimattn::dot_attention_trace(query, keys, values, aux, spec) -> (energy, att_weights)
-//   dimattn::explain(query, keys, values, aux, spec) -> str
+//   dimattn::dot_attention(<call>) -> Tensor
+//   dimattn::dot_attention.variants(<call>, <variants>) -> Tensor
+//   dimattn::context_parallel_attention(<call>, <variants>, <cp>) -> Tensor
+//   dimattn::dot_attention_backward(Tensor grad_output, <call>, <variants>) -> (Tensor, Tensor, Tensor, Tensor[])
+//   dimattn::dot_attention_trace(<call>, <variants>, str[] energy_dims) -> (Tensor energy, Tensor att_weights)
+//   dimattn::explain(<call>, <variants>) -> (str kernel, str[] rejected, str[] reasons, str text)
 //   dimattn::kernel_names() -> str[]
-// dot_attention with a "cp" entry runs a whole context-parallel call
-// (frontend/src/context_parallel.cpp) over the c10d group of that name.
+//   dimattn::variant_fields() -> str[]        (name:kind of each variant field)
+//   dimattn::argument_names() -> (str[], str[], str[])   (each group's names)
+// context_parallel_attention runs a whole context-parallel call
+// (docs/distributed.md) over the c10d group named cp_group.
 //
-// Dims and options cross as the call spec (call_spec.h). Each op makes the
-// call's Dims from it (names are unique per call, so one name is one Dim),
-// once per spec and shapes on each thread (CallPlan; dynamic dims per call),
-// and runs the frontend's dot_attention on the torch backend over the same
-// memory (torch_interop.h), with dimattn's selection and kernels.
+// Each op makes the call's Dims from the names (unique per call, so one name
+// is one Dim), once per structure and shapes on each thread (CallPlan;
+// dynamic dims per call), and runs the frontend's dot_attention on the torch
+// backend over the same memory (torch_interop.h), with dimattn's selection
+// and kernels.
 //
 // Autograd is a C++ kernel on the Autograd key, so that eager calls pay no
 // Python autograd wrapper. Backward is its own op (CPU and CUDA keys, and a
 // fake kernel in Python), so that torch.compile's AOTAutograd traces both
 // passes without a graph break. It recomputes the forward pass with autograd
 // on, through the torch backend's own autograd (every kernel of its table
-// has one), from the same dropout seed, so the same mask is drawn. Of the
-// auxiliary tensors only the sinks (learnable logits) and the bias get a
-// gradient: the backward op's fourth and fifth outputs (size 0 for a call
-// without them), each of its aux tensor's shape (summed over the dims it was
-// broadcast along).
+// has one), from the same dropout seed, so the same mask is drawn. The
+// learnable variant tensors (AttentionVariants::learnable: the sinks, the
+// bias) get gradients: the backward op's list output, one per such tensor
+// the call has, in field order, each in its tensor's shape (summed over the
+// dims it was broadcast along).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -35,121 +39,200 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <array>
 #include <initializer_list>
 #include <map>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
-#include "call_spec.h"
 #include "dimattn/attention.h"
+#include "dimattn/context_parallel.h"
 #include "dimattn/error.h"
 #include "dimattn/forcing.h"
 #include "dimattn/run_context.h"
 #include "dimattn/torch_interop.h"
 #include "dimattn/trace.h"
+#include "op_args.h"
 
 namespace dimattn::python {
 namespace {
 
+using Names = std::vector<std::string>;
+
 [[noreturn]] void fail(const std::string& msg) { throw Error("[dot_attention] " + msg); }
 
-std::string join(const std::vector<std::string>& names) {
+std::string join(const Names& names) {
   std::string s;
   for (const std::string& n : names) s += (s.empty() ? "" : ", ") + n;
   return "(" + s + ")";
 }
 
-const at::Tensor& aux_at(at::TensorList aux, int i) {
-  if (i < 0 || i >= static_cast<int>(aux.size()))
-    fail("call spec refers to auxiliary tensor " + std::to_string(i) + " of " + std::to_string(aux.size()));
-  return aux[i];
+// A tensor argument of a call besides query, keys and values, with the names
+// of its dims: lengths, the causal offset, the variants' tensors, context
+// parallelism's lengths.
+struct NamedArg {
+  std::string what;
+  at::Tensor tensor;
+  Names dims;
+};
+
+std::vector<at::Tensor> lengths_of(const OpArgs& a) {
+  return a[Arg::lengths].isNone() ? std::vector<at::Tensor>{} : a[Arg::lengths].toTensorVector();
 }
 
-// What a call's Dims are, from its spec and its tensors' shapes alone: each
+std::optional<std::string> opt_string(const c10::IValue& v) {
+  if (v.isNone()) return std::nullopt;
+  return v.toStringRef();
+}
+
+std::optional<int64_t> side(const c10::IValue& v) {
+  if (v.isNone()) return std::nullopt;
+  return v.toInt();
+}
+
+// One variant field from its arguments (at `v`, advanced past them; the
+// layout of op_args.h), `named` making a Tensor of an argument and its names.
+template <class Named>
+void read_field(const c10::IValue*& v, const char*, std::optional<double>& out, Named&) {
+  if (!v->isNone()) out = v->toDouble();
+  ++v;
+}
+template <class Named>
+void read_field(const c10::IValue*& v, const char*, bool& out, Named&) {
+  out = flag_of(*v);
+  ++v;
+}
+template <class Named>
+void read_field(const c10::IValue*& v, const char* name, std::optional<AttentionWindow>& out, Named&) {
+  if (!v->isNone()) {
+    const auto sides = v->toListRef();
+    if (sides.size() != 2) fail(std::string(name) + " needs [left, right], got " + std::to_string(sides.size()) + " values");
+    out = AttentionWindow{side(sides[0]), side(sides[1])};
+  }
+  ++v;
+}
+template <class Named>
+void read_field(const c10::IValue*& v, const char* name, std::optional<Tensor>& out, Named& named) {
+  if (!v[0].isNone()) out = named(name, v[0].toTensor(), names_of(v[1]));
+  v += 2;
+}
+
+// Every NamedArg of a call.
+std::vector<NamedArg> named_args(const OpArgs& a) {
+  std::vector<NamedArg> out;
+  const Names of = names_of(a[Arg::lengths_of]), dims = names_of(a[Arg::lengths_dims]);
+  const std::vector<at::Tensor> lengths = lengths_of(a);
+  if (lengths.size() != of.size())
+    fail(std::to_string(lengths.size()) + " lengths tensors for " + std::to_string(of.size()) + " dynamic dims " +
+         join(of));
+  size_t next = 0;  // into dims
+  for (size_t i = 0; i < of.size(); ++i) {
+    const at::Tensor t = lengths[i];
+    const size_t rank = static_cast<size_t>(t.dim());
+    if (next + rank > dims.size()) fail("lengths_dims has " + std::to_string(dims.size()) + " names, too few for the lengths");
+    out.push_back({"lengths of " + of[i], t, Names(dims.begin() + next, dims.begin() + next + rank)});
+    next += rank;
+  }
+  if (next != dims.size()) fail("lengths_dims has " + std::to_string(dims.size() - next) + " names more than the lengths' dims");
+  if (!a[Arg::causal_offset].isNone())
+    out.push_back({"causal_offset", a[Arg::causal_offset].toTensor(), names_of(a[Arg::causal_offset_dims])});
+  if (const c10::IValue* v = a.variants()) {
+    AttentionVariants none;
+    auto collect = [&](const char* name, const at::Tensor& t, Names names) {
+      out.push_back({name, t, std::move(names)});
+      return std::optional<Tensor>();
+    };
+    AttentionVariants::for_each_field(none, [&](const char* name, auto& field) { read_field(v, name, field, collect); });
+  }
+  if (!a[CpArg::lengths].isNone())
+    out.push_back({"cp_lengths", a[CpArg::lengths].toTensor(), names_of(a[CpArg::lengths_dims])});
+  return out;
+}
+
+// What a call's Dims are, from its names and its tensors' shapes alone: each
 // dim's name, the static Dims, and how the dynamic ones are made. Checking
-// the shapes against the spec and making the Dims is most of the op's own
+// the shapes against the names and making the Dims is most of the op's own
 // work on a small call, and a model makes the same few calls every step, so
 // plans are kept per thread (plan_for) and a repeated call reuses its Dims.
-// Only structure is kept: a dynamic dim's lengths are that call's aux tensor
-// and change per step, so dynamic Dims (and the operands' Dims that hold
-// one) are made per call (DimTable), never kept.
+// Only structure is kept: a dynamic dim's lengths are that call's tensor and
+// change per step, so dynamic Dims (and the operands' Dims that hold one) are
+// made per call (DimTable), never kept.
 struct CallPlan {
-  std::shared_ptr<const CallSpec> spec;
-  std::vector<std::string> names;  // slot -> name
-  Dims dims;                       // slot -> Dim; a placeholder in a dynamic dim's slot
+  Names names;  // slot -> name
+  Dims dims;    // slot -> Dim; a placeholder in a dynamic dim's slot
   struct Dynamic {
     size_t slot;
-    int lengths;               // index into aux
+    size_t lengths;            // index into the lengths argument
     std::vector<size_t> over;  // the lengths' dims
     std::optional<int64_t> extent;
   };
   std::vector<Dynamic> dynamic;  // in an order that makes the dims of a dim's lengths first
-  Dims q, k, v;                  // the operands' Dims, for a call without dynamic dims
+  Names q_names, k_names, v_names, out_names;
+  Dims q, k, v;  // the operands' Dims, for a call without dynamic dims
 
-  CallPlan(std::shared_ptr<const CallSpec> s, const at::Tensor& qt, const at::Tensor& kt, const at::Tensor& vt,
-           at::TensorList aux)
-      : spec(std::move(s)) {
-    const CallSpec& c = *spec;
+  explicit CallPlan(const OpArgs& a)
+      : q_names(names_of(a[Arg::query_dims])),
+        k_names(names_of(a[Arg::keys_dims])),
+        v_names(names_of(a[Arg::values_dims])),
+        out_names(names_of(a[Arg::out_dims])) {
     std::map<std::string, int64_t> sizes;
-    take_sizes(sizes, "query", c.q, qt);
-    take_sizes(sizes, "keys", c.k, kt);
-    take_sizes(sizes, "values", c.v, vt);
-    for (const DynamicDimSpec& d : c.dynamic)
-      take_sizes(sizes, "lengths of " + d.name, d.over, aux_at(aux, d.lengths));
-    if (c.causal_offset) take_sizes(sizes, "causal_offset", c.causal_offset_dims, aux_at(aux, *c.causal_offset));
-    if (c.alibi) take_sizes(sizes, "alibi_slopes", c.alibi->over, aux_at(aux, c.alibi->index));
-    if (c.sinks) take_sizes(sizes, "sinks", c.sinks->over, aux_at(aux, c.sinks->index));
-    if (c.bias) take_sizes(sizes, "bias", c.bias->over, aux_at(aux, c.bias->index));
-    if (c.mask) take_sizes(sizes, "mask", c.mask->over, aux_at(aux, c.mask->index));
-    for (const auto& [name, size] : c.sizes) sizes.try_emplace(name, size);
+    take_sizes(sizes, "query", q_names, a[Arg::query].toTensor());
+    take_sizes(sizes, "keys", k_names, a[Arg::keys].toTensor());
+    take_sizes(sizes, "values", v_names, a[Arg::values].toTensor());
+    for (const NamedArg& n : named_args(a)) take_sizes(sizes, n.what, n.dims, n.tensor);
+    const Names size_names = names_of(a[Arg::size_names]);
+    const std::vector<int64_t> given = a[Arg::sizes].isNone() ? std::vector<int64_t>{} : a[Arg::sizes].toIntVector();
+    if (given.size() != size_names.size())
+      fail(std::to_string(given.size()) + " sizes for " + std::to_string(size_names.size()) + " size_names");
+    for (size_t i = 0; i < given.size(); ++i) sizes.try_emplace(size_names[i], given[i]);
 
+    const Names lengths_of = names_of(a[Arg::lengths_of]);
     static const Dim placeholder("dynamic", 0);
     for (const auto& [name, size] : sizes) {
       names.push_back(name);
-      dims.push_back(is_dynamic(c, name) ? placeholder : Dim(name, size));
+      dims.push_back(std::count(lengths_of.begin(), lengths_of.end(), name) ? placeholder : Dim(name, size));
     }
     // A dynamic dim in no tensor (an axis the keys lack): its extent comes
     // from its lengths, and dot_attention's checks name it.
-    for (const DynamicDimSpec& d : c.dynamic)
-      if (!sizes.count(d.name)) {
-        names.push_back(d.name);
+    for (const std::string& d : lengths_of)
+      if (!sizes.count(d)) {
+        names.push_back(d);
         dims.push_back(placeholder);
       }
     // Dynamic dims once the dims of their lengths exist (a history dim's
     // lengths may vary over another dynamic dim).
+    const std::vector<NamedArg> named = named_args(a);
     std::vector<bool> ready(names.size(), true);
-    for (const DynamicDimSpec& d : c.dynamic) ready[slot(d.name)] = false;
-    std::vector<const DynamicDimSpec*> pending;
-    for (const DynamicDimSpec& d : c.dynamic) pending.push_back(&d);
+    for (const std::string& d : lengths_of) ready[slot(d)] = false;
+    std::vector<size_t> pending(lengths_of.size());
+    for (size_t i = 0; i < pending.size(); ++i) pending[i] = i;
     while (!pending.empty()) {
-      std::vector<const DynamicDimSpec*> later;
-      for (const DynamicDimSpec* d : pending) {
-        Dynamic dyn{slot(d->name), d->lengths, {}, std::nullopt};
+      std::vector<size_t> later;
+      for (const size_t i : pending) {
+        Dynamic dyn{slot(lengths_of[i]), i, {}, std::nullopt};
         bool all = true;
-        for (const std::string& n : d->over) {
-          const size_t i = slot(n);
-          all = all && ready[i];
-          dyn.over.push_back(i);
+        for (const std::string& n : named[i].dims) {
+          const size_t s = slot(n);
+          all = all && ready[s];
+          dyn.over.push_back(s);
         }
         if (!all) {
-          later.push_back(d);
+          later.push_back(i);
           continue;
         }
-        if (const auto size = sizes.find(d->name); size != sizes.end()) dyn.extent = size->second;
+        if (const auto size = sizes.find(lengths_of[i]); size != sizes.end()) dyn.extent = size->second;
         ready[dyn.slot] = true;
         dynamic.push_back(std::move(dyn));
       }
-      if (later.size() == pending.size()) fail("the lengths of dynamic dim '" + later[0]->name + "' depend on each other");
+      if (later.size() == pending.size())
+        fail("the lengths of dynamic dim '" + lengths_of[later[0]] + "' depend on each other");
       pending = std::move(later);
     }
     if (dynamic.empty()) {
-      q = of(c.q);
-      k = of(c.k);
-      v = of(c.v);
+      q = of(q_names);
+      k = of(k_names);
+      v = of(v_names);
     }
   }
 
@@ -161,18 +244,13 @@ struct CallPlan {
   }
 
  private:
-  Dims of(const std::vector<std::string>& ns) const {
+  Dims of(const Names& ns) const {
     Dims out;
     for (const std::string& n : ns) out.push_back(dims[slot(n)]);
     return out;
   }
-  static bool is_dynamic(const CallSpec& s, const std::string& name) {
-    for (const DynamicDimSpec& d : s.dynamic)
-      if (d.name == name) return true;
-    return false;
-  }
-  static void take_sizes(std::map<std::string, int64_t>& sizes, const std::string& what,
-                         const std::vector<std::string>& names, const at::Tensor& t) {
+  static void take_sizes(std::map<std::string, int64_t>& sizes, const std::string& what, const Names& names,
+                         const at::Tensor& t) {
     if (t.dim() != static_cast<int64_t>(names.size()))
       fail(what + " has rank " + std::to_string(t.dim()) + " but " + std::to_string(names.size()) + " dims " +
            join(names));
@@ -186,67 +264,35 @@ struct CallPlan {
   }
 };
 
-// Specs and the plans made from them, per thread: a spec is parsed once, and
-// its plans are keyed by the shapes of the call's tensors (all a plan's
-// checks and sizes depend on). Lookups copy nothing: the spec by its text,
-// the shapes compared against a per-thread scratch key.
-struct SpecEntry {
-  std::shared_ptr<const CallSpec> spec;
-  std::vector<std::pair<std::vector<int64_t>, std::shared_ptr<const CallPlan>>> plans;  // oldest first
-};
-
-SpecEntry& spec_entry(c10::string_view text) {
-  thread_local std::map<std::string, SpecEntry, std::less<>> specs;
-  const auto it = specs.find(std::string_view(text.data(), text.size()));
-  if (it != specs.end()) return it->second;
-  // Plans and Calls hold their spec, so dropping the table frees only what
-  // no call uses.
-  if (specs.size() >= 256) specs.clear();
-  auto spec = std::make_shared<const CallSpec>(parse_call_spec(std::string_view(text.data(), text.size())));
-  return specs.emplace(std::string(text), SpecEntry{std::move(spec), {}}).first->second;
-}
-
-// The parsed spec; valid until this thread's next spec lookup.
-const CallSpec& parsed(c10::string_view text) { return *spec_entry(text).spec; }
-
-std::shared_ptr<const CallPlan> plan_for(c10::string_view text, const at::Tensor& q, const at::Tensor& k,
-                                         const at::Tensor& v, at::TensorList aux) {
-  SpecEntry& entry = spec_entry(text);
-  thread_local std::vector<int64_t> key;
-  key.clear();
-  auto add = [](const at::Tensor& t) {
-    key.push_back(t.dim());
-    for (const int64_t s : t.sizes()) key.push_back(s);
-  };
-  add(q);
-  add(k);
-  add(v);
-  key.push_back(static_cast<int64_t>(aux.size()));
-  for (const at::Tensor& t : aux) add(t);
-  for (auto it = entry.plans.rbegin(); it != entry.plans.rend(); ++it)
-    if (it->first == key) return it->second;
-  auto plan = std::make_shared<const CallPlan>(entry.spec, q, k, v, aux);  // throws for a bad call: nothing kept
-  if (entry.plans.size() >= 8) entry.plans.erase(entry.plans.begin());
-  entry.plans.emplace_back(key, plan);
+// The plans of this thread by structure key (OpArgs::structure_key: the
+// names, options and shapes; not the data), the most recent 256.
+std::shared_ptr<const CallPlan> plan_for(const OpArgs& a) {
+  thread_local std::map<std::string, std::shared_ptr<const CallPlan>, std::less<>> plans;
+  std::string key = a.structure_key();
+  if (const auto it = plans.find(key); it != plans.end()) return it->second;
+  auto plan = std::make_shared<const CallPlan>(a);  // throws for a bad call: nothing kept
+  if (plans.size() >= 256) plans.clear();  // calls hold their plan, so this frees only what none uses
+  plans.emplace(std::move(key), plan);
   return plan;
 }
 
 // One call's Dims by name: the plan's, with this call's dynamic dims.
 class DimTable {
  public:
-  DimTable(std::shared_ptr<const CallPlan> plan, at::TensorList aux) : plan_(std::move(plan)) {
+  DimTable(std::shared_ptr<const CallPlan> plan, const OpArgs& a) : plan_(std::move(plan)) {
     if (plan_->dynamic.empty()) return;
     bound_ = plan_->dims;
     Dims& dims = *bound_;
+    const std::vector<at::Tensor> lengths = lengths_of(a);
     for (const CallPlan::Dynamic& d : plan_->dynamic) {
       Dims over;
       for (const size_t i : d.over) over.push_back(dims[i]);
-      dims[d.slot] = Dim::dynamic(plan_->names[d.slot], from_aten(aux_at(aux, d.lengths), over), d.extent);
+      dims[d.slot] = Dim::dynamic(plan_->names[d.slot], from_aten(lengths[d.lengths], over), d.extent);
     }
   }
 
   const Dim& operator[](const std::string& name) const { return all()[plan_->slot(name)]; }
-  Dims dims(const std::vector<std::string>& names) const {
+  Dims dims(const Names& names) const {
     Dims out;
     for (const std::string& n : names) out.push_back((*this)[n]);
     return out;
@@ -257,9 +303,7 @@ class DimTable {
     return false;
   }
   // The operands' Dims: the plan's own when no dim is dynamic.
-  Dims operand(const Dims& planned, const std::vector<std::string>& names) const {
-    return bound_ ? dims(names) : planned;
-  }
+  Dims operand(const Dims& planned, const Names& names) const { return bound_ ? dims(names) : planned; }
 
  private:
   const Dims& all() const { return bound_ ? *bound_ : plan_->dims; }
@@ -269,51 +313,54 @@ class DimTable {
 };
 
 struct Call {
-  Call(std::shared_ptr<const CallPlan> p, at::TensorList aux)
-      : plan(std::move(p)), spec(*plan->spec), table(plan, aux), opts{table[spec.key_dim], table[spec.axis]} {}
+  Call(std::shared_ptr<const CallPlan> p, const OpArgs& a)
+      : plan(std::move(p)), table(plan, a), opts{table[a[Arg::key_dim].toStringRef()], table[a[Arg::axis].toStringRef()]} {}
 
-  std::shared_ptr<const CallPlan> plan;  // holds the spec
-  const CallSpec& spec;
+  std::shared_ptr<const CallPlan> plan;
   DimTable table;
-  std::optional<Tensor> q, k, v;
   AttentionOptions opts;
+  std::optional<Tensor> q, k, v;
+  std::optional<ContextParallel> cp;  // with cp_group
+
+  // dot_attention, or context_parallel_attention with cp_group.
+  Tensor attend() const {
+    return cp ? context_parallel_attention(*q, *k, *v, opts, *cp) : dot_attention(*q, *k, *v, opts);
+  }
 };
 
-Call make_call(c10::string_view spec_text, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-               at::TensorList aux) {
-  Call c(plan_for(spec_text, q, k, v, aux), aux);
-  const CallSpec& s = c.spec;
+Call make_call(const OpArgs& a) {
+  Call c(plan_for(a), a);
   const DimTable& t = c.table;
-  c.q = from_aten(q, t.operand(c.plan->q, s.q));
-  c.k = from_aten(k, t.operand(c.plan->k, s.k));
-  c.v = from_aten(v, t.operand(c.plan->v, s.v));
-  c.opts.att_dropout = s.dropout;
-  c.opts.att_dropout_broadcast = s.broadcast;
-  if (s.causal) c.opts.causal_query_spatial_dim = t[*s.causal];
-  if (s.causal_offset) c.opts.causal_offset = from_aten(aux[*s.causal_offset], t.dims(s.causal_offset_dims));
-  if (s.causal_offset_int) {
-    const at::Tensor off = at::scalar_tensor(*s.causal_offset_int, at::TensorOptions().dtype(at::kLong));
-    c.opts.causal_offset = from_aten(off, {});
+  const CallPlan& p = *c.plan;
+  c.q = from_aten(a[Arg::query].toTensor(), t.operand(p.q, p.q_names));
+  c.k = from_aten(a[Arg::keys].toTensor(), t.operand(p.k, p.k_names));
+  c.v = from_aten(a[Arg::values].toTensor(), t.operand(p.v, p.v_names));
+  AttentionOptions& o = c.opts;
+  o.att_dropout = number_of(a[Arg::dropout], 0.0);
+  o.att_dropout_broadcast = flag_of(a[Arg::dropout_broadcast]);
+  if (const auto causal = opt_string(a[Arg::causal])) o.causal_query_spatial_dim = t[*causal];
+  if (!a[Arg::causal_offset].isNone())
+    o.causal_offset = from_aten(a[Arg::causal_offset].toTensor(), t.dims(names_of(a[Arg::causal_offset_dims])));
+  if (!a[Arg::scale].isNone()) o.scale = a[Arg::scale].toDouble();
+  if (const auto pos = opt_string(a[Arg::query_position])) o.query_position_dim = t[*pos];
+  if (const c10::IValue* v = a.variants()) {
+    auto named = [&](const char*, const at::Tensor& x, const Names& names) {
+      return std::optional<Tensor>(from_aten(x, t.dims(names)));
+    };
+    AttentionVariants::for_each_field(o.variants, [&](const char* name, auto& field) { read_field(v, name, field, named); });
   }
-  c.opts.scale = s.scale;
-  if (s.query_position) c.opts.query_position_dim = t[*s.query_position];
-  if (s.window) c.opts.window = AttentionWindow{s.window->left, s.window->right};
-  c.opts.softcap = s.softcap;
-  if (s.alibi) c.opts.alibi_slopes = from_aten(aux[s.alibi->index], t.dims(s.alibi->over));
-  if (s.sinks) c.opts.sinks = from_aten(aux[s.sinks->index], t.dims(s.sinks->over));
-  c.opts.sink_off_by_one = s.sink_off_by_one;
-  if (s.bias) c.opts.bias = from_aten(aux[s.bias->index], t.dims(s.bias->over));
-  if (s.mask) c.opts.mask = from_aten(aux[s.mask->index], t.dims(s.mask->over));
-  if (s.context_parallel) {
-    const CallSpec::ContextParallelSpec& cp = *s.context_parallel;
-    ContextParallel& o = c.opts.context_parallel.emplace();
-    o.group = cp.group;
-    if (cp.sharding == "load_balanced") o.sharding = ContextSharding::load_balanced;
-    else if (cp.sharding != "contiguous") fail("context_parallel sharding '" + cp.sharding + "': contiguous or load_balanced");
-    if (cp.strategy == "all_gather") o.strategy = ContextStrategy::all_gather;
-    else if (cp.strategy != "ring") fail("context_parallel strategy '" + cp.strategy + "': ring or all_gather");
-    o.timeout_seconds = cp.timeout;
-    if (s.cp_lengths) o.lengths = from_aten(aux_at(aux, s.cp_lengths->index), t.dims(s.cp_lengths->over));
+  if (const auto group = opt_string(a[CpArg::group])) {
+    ContextParallel& cp = c.cp.emplace();
+    cp.group = *group;
+    const std::string sharding = opt_string(a[CpArg::sharding]).value_or("contiguous"),
+                      strategy = opt_string(a[CpArg::strategy]).value_or("ring");
+    if (sharding == "load_balanced") cp.sharding = ContextSharding::load_balanced;
+    else if (sharding != "contiguous") fail("context_parallel sharding '" + sharding + "': contiguous or load_balanced");
+    if (strategy == "all_gather") cp.strategy = ContextStrategy::all_gather;
+    else if (strategy != "ring") fail("context_parallel strategy '" + strategy + "': ring or all_gather");
+    if (!a[CpArg::timeout].isNone()) cp.timeout_seconds = a[CpArg::timeout].toDouble();
+    if (!a[CpArg::lengths].isNone())
+      cp.lengths = from_aten(a[CpArg::lengths].toTensor(), t.dims(names_of(a[CpArg::lengths_dims])));
   }
   return c;
 }
@@ -322,9 +369,14 @@ Call make_call(c10::string_view spec_text, const at::Tensor& q, const at::Tensor
 // flag, and the seed its dropout draws from.
 class RunScope {
  public:
-  RunScope(const CallSpec& s, at::TensorList aux) : train_(s.train) {
-    if (s.force) force_.emplace(*s.force);
-    if (s.seed) set_random_seed(static_cast<uint64_t>(aux.at(*s.seed).item<int64_t>()));
+  explicit RunScope(const OpArgs& a) : train_(flag_of(a[Arg::train])) {
+    const Names force = names_of(a[Arg::force]);
+    if (!force.empty()) {
+      std::string spec;
+      for (const std::string& k : force) spec += (spec.empty() ? "" : ",") + k;
+      force_.emplace(spec);
+    }
+    if (!a[Arg::seed].isNone()) set_random_seed(static_cast<uint64_t>(a[Arg::seed].toTensor().item<int64_t>()));
   }
 
  private:
@@ -334,8 +386,7 @@ class RunScope {
 
 // x's data with its dims in the order `names` gives, as a new contiguous
 // tensor that aliases no input (a custom op's output must not).
-at::Tensor in_order(const Tensor& x, const std::vector<std::string>& names, const DimTable& t, const char* what,
-                    std::initializer_list<const at::Tensor*> inputs) {
+at::Tensor in_order(const Tensor& x, const Names& names, const DimTable& t, const char* what, const OpArgs& a) {
   std::vector<int64_t> perm;
   bool in_place = true;  // already in that order (usual: the kernel's output is laid out as asked)
   for (const std::string& n : names) {
@@ -344,212 +395,265 @@ at::Tensor in_order(const Tensor& x, const std::vector<std::string>& names, cons
     in_place = in_place && axis == static_cast<int>(perm.size());
     perm.push_back(axis);
   }
-  if (static_cast<int>(perm.size()) != x.rank())
-    fail(std::string(what) + " has dims " + repr(x.dims()) + ", not " + join(names));
+  if (static_cast<int>(perm.size()) != x.rank()) fail(std::string(what) + " has dims " + repr(x.dims()) + ", not " + join(names));
   at::Tensor out = (in_place ? to_aten(x) : to_aten(x).permute(perm)).contiguous();
-  for (const at::Tensor* in : inputs)
-    if (out.is_alias_of(*in)) return out.clone();
+  for (const Arg input : {Arg::query, Arg::keys, Arg::values})
+    if (out.is_alias_of(a[input].toTensor())) return out.clone();
   return out;
 }
 
-at::Tensor dot_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            at::TensorList aux, c10::string_view spec) {
-  const Call c = make_call(spec, q, k, v, aux);
-  const RunScope scope(c.spec, aux);
-  at::NoGradGuard no_grad;
-  const Tensor out = dot_attention(*c.q, *c.k, *c.v, c.opts);
-  return in_order(out, c.spec.out, c.table, "the output", {&q, &k, &v});
+// The call's result, in out_dims' order.
+at::Tensor run(const OpArgs& a) {
+  const Call c = make_call(a);
+  const RunScope scope(a);
+  return in_order(c.attend(), c.plan->out_names, c.table, "the output", a);
 }
 
-// The aux tensors that learn, in the order of the backward op's outputs after
-// gq, gk, gv: the sinks, then the bias.
-std::array<std::optional<AuxTensorSpec>, 2> learnable(const CallSpec& s) { return {s.sinks, s.bias}; }
+// The learnable tensors of a call (AttentionVariants::learnable), in field
+// order: their argument positions (relative to the query).
+std::vector<size_t> learnable_args(const OpArgs& a) {
+  std::vector<size_t> out;
+  const c10::IValue* v = a.variants();
+  if (v == nullptr) return out;
+  size_t at = static_cast<size_t>(Arg::count_);
+  AttentionVariants none;
+  AttentionVariants::for_each_field(none, [&](const char* name, const auto& field) {
+    using T = std::decay_t<decltype(field)>;
+    if constexpr (std::is_same_v<T, std::optional<Tensor>>) {
+      if (AttentionVariants::learnable(name) && !v->isNone()) out.push_back(at);
+      v += 2, at += 2;
+    } else {
+      ++v, ++at;
+    }
+  });
+  return out;
+}
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dot_attention_backward_op(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::TensorList aux,
-    c10::string_view spec) {
-  // Below the Autograd key the dispatcher excludes autograd; the recomputed
-  // forward needs it back, with grad mode on.
-  c10::impl::LocalDispatchKeySet keys = c10::impl::tls_local_dispatch_key_set();
-  keys.excluded_ = keys.excluded_ - c10::autograd_dispatch_keyset_with_ADInplaceOrView;
-  const c10::impl::ForceDispatchKeyGuard with_autograd(keys);
-  const at::AutoGradMode grad_on(true);
+// --- the ops' kernels (boxed: the arguments are the call's typed list) ---
 
-  const at::Tensor qd = q.detach().requires_grad_(true), kd = k.detach().requires_grad_(true),
-                   vd = v.detach().requires_grad_(true);
-  std::vector<at::Tensor> inputs{qd, kd, vd}, aux_d(aux.begin(), aux.end());
-  // Each learnable aux tensor as an input of its own (its position in
-  // `inputs`, or none).
-  const auto learning = learnable(parsed(spec));
-  std::array<std::optional<size_t>, 2> at_input;
-  for (size_t i = 0; i < learning.size(); ++i) {
-    if (!learning[i]) continue;
-    const at::Tensor d = aux_at(aux, learning[i]->index).detach().requires_grad_(true);
-    aux_d[learning[i]->index] = d;
-    at_input[i] = inputs.size();
-    inputs.push_back(d);
+// A boxed kernel's call: its arguments, the last `extra` of which follow the
+// groups up to `parts`.
+OpArgs call_on(torch::jit::Stack* stack, Parts parts, size_t extra = 0) {
+  return OpArgs(&*(stack->end() - static_cast<std::ptrdiff_t>(OpArgs::count(parts) + extra)), parts);
+}
+
+// dot_attention (Parts::call), dot_attention.variants (Parts::variants) and
+// context_parallel_attention (Parts::context_parallel).
+template <Parts parts>
+void dot_attention_op(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  at::Tensor out;
+  {
+    const at::NoGradGuard no_grad;
+    out = run(call_on(stack, parts));
   }
-  const Call c = make_call(spec, qd, kd, vd, aux_d);
-  const RunScope scope(c.spec, aux);
-  const Tensor out = dot_attention(*c.q, *c.k, *c.v, c.opts);
-  const at::Tensor o = to_aten(out).permute([&] {
-    std::vector<int64_t> perm;
-    for (const std::string& n : c.spec.out) perm.push_back(out.axis_of(c.table[n]));
-    return perm;
-  }());
-  const torch::autograd::variable_list g = torch::autograd::grad(
-      {o}, inputs, {grad_out}, /*retain_graph=*/false, /*create_graph=*/false, /*allow_unused=*/true);
-  auto or_zeros = [](const at::Tensor& grad, const at::Tensor& like) {
-    return grad.defined() ? grad.contiguous() : at::zeros_like(like, at::MemoryFormat::Contiguous);
-  };
-  auto learned = [&](size_t i) {
-    return at_input[i] ? or_zeros(g[*at_input[i]], inputs[*at_input[i]]) : at::empty({0}, q.options());
-  };
-  return {or_zeros(g[0], q), or_zeros(g[1], k), or_zeros(g[2], v), learned(0), learned(1)};
+  torch::jit::drop(*stack, OpArgs::count(parts));
+  stack->emplace_back(std::move(out));
 }
 
-std::tuple<at::Tensor, at::Tensor> dot_attention_trace_op(const at::Tensor& q, const at::Tensor& k,
-                                                          const at::Tensor& v, at::TensorList aux,
-                                                          c10::string_view spec) {
-  const Call c = make_call(spec, q, k, v, aux);
-  const RunScope scope(c.spec, aux);
-  at::NoGradGuard no_grad;
+void dot_attention_backward_op(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const size_t n = OpArgs::count(Parts::variants);
+  const at::Tensor grad_out = (stack->end() - static_cast<std::ptrdiff_t>(n) - 1)->toTensor();
+  // The call's arguments with autograd leaves for query, keys, values and the
+  // learnable tensors, the inputs of the gradient.
+  std::vector<c10::IValue> args(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
+  std::vector<at::Tensor> inputs;
+  const std::vector<size_t> learning = learnable_args(OpArgs(args.data(), Parts::variants));
+  for (size_t i : {static_cast<size_t>(Arg::query), static_cast<size_t>(Arg::keys), static_cast<size_t>(Arg::values)}) {
+    args[i] = args[i].toTensor().detach().requires_grad_(true);
+    inputs.push_back(args[i].toTensor());
+  }
+  for (const size_t i : learning) {
+    args[i] = args[i].toTensor().detach().requires_grad_(true);
+    inputs.push_back(args[i].toTensor());
+  }
+  torch::autograd::variable_list g;
+  {
+    // Below the Autograd key the dispatcher excludes autograd; the recomputed
+    // forward needs it back, with grad mode on.
+    c10::impl::LocalDispatchKeySet keys = c10::impl::tls_local_dispatch_key_set();
+    keys.excluded_ = keys.excluded_ - c10::autograd_dispatch_keyset_with_ADInplaceOrView;
+    const c10::impl::ForceDispatchKeyGuard with_autograd(keys);
+    const at::AutoGradMode grad_on(true);
+    const OpArgs a(args.data(), Parts::variants);
+    const Call c = make_call(a);
+    const RunScope scope(a);
+    const Tensor out = dot_attention(*c.q, *c.k, *c.v, c.opts);
+    std::vector<int64_t> perm;
+    for (const std::string& name : c.plan->out_names) perm.push_back(out.axis_of(c.table[name]));
+    g = torch::autograd::grad({to_aten(out).permute(perm)}, inputs, {grad_out}, /*retain_graph=*/false,
+                              /*create_graph=*/false, /*allow_unused=*/true);
+  }
+  auto or_zeros = [&](size_t i) {
+    return g[i].defined() ? g[i].contiguous() : at::zeros_like(inputs[i], at::MemoryFormat::Contiguous);
+  };
+  std::vector<at::Tensor> learned;
+  for (size_t i = 3; i < inputs.size(); ++i) learned.push_back(or_zeros(i));
+  torch::jit::drop(*stack, n + 1);
+  stack->emplace_back(or_zeros(0));
+  stack->emplace_back(or_zeros(1));
+  stack->emplace_back(or_zeros(2));
+  stack->emplace_back(c10::List<at::Tensor>(learned));
+}
+
+void dot_attention_trace_op(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const OpArgs a = call_on(stack, Parts::variants, 1);  // and energy_dims
+  const Names energy_names = names_of(a.after());
+  const Call c = make_call(a);
+  const RunScope scope(a);
+  const at::NoGradGuard no_grad;
   TraceScope trace(/*capture_tensors=*/true);
   dot_attention(*c.q, *c.k, *c.v, c.opts);
   const AttentionTrace& r = trace.records().at(0);
-  // The energy's dims by the spec's names; "'" is the one dim the call made
-  // itself (the kv side of self-attention).
+  // The energy's dims by name; "'" is the one dim the call made itself (the
+  // kv side of self-attention).
   auto ordered = [&](const Tensor& x) {
     std::vector<int64_t> perm;
-    for (const std::string& n : c.spec.energy) {
+    for (const std::string& name : energy_names) {
       int axis = -1;
-      if (n == "'") {
+      if (name == "'") {
         for (int i = 0; i < x.rank(); ++i)
           if (!c.table.has(x.dims()[i])) axis = i;
       } else {
-        axis = x.axis_of(c.table[n]);
+        axis = x.axis_of(c.table[name]);
       }
-      if (axis < 0) fail("the traced energy has dims " + repr(x.dims()) + ", not " + join(c.spec.energy));
+      if (axis < 0) fail("the traced energy has dims " + repr(x.dims()) + ", not " + join(energy_names));
       perm.push_back(axis);
     }
     if (static_cast<int>(perm.size()) != x.rank())
-      fail("the traced energy has dims " + repr(x.dims()) + ", not " + join(c.spec.energy));
+      fail("the traced energy has dims " + repr(x.dims()) + ", not " + join(energy_names));
     return to_aten(x).permute(perm).contiguous().clone();
   };
-  return {ordered(*r.energy), ordered(*r.att_weights)};
+  at::Tensor energy = ordered(*r.energy), weights = ordered(*r.att_weights);
+  torch::jit::drop(*stack, OpArgs::count(Parts::variants) + 1);
+  stack->emplace_back(std::move(energy));
+  stack->emplace_back(std::move(weights));
 }
 
-// "kernel" then, per rejected candidate, "\x1e" name "\x1f" reason; then
-// "\x1d" and the C++ explain() text.
-std::string explain_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::TensorList aux,
-                       c10::string_view spec) {
-  const Call c = make_call(spec, q, k, v, aux);
-  const RunScope scope(c.spec, aux);
+void explain_op(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const OpArgs a = call_on(stack, Parts::variants);
+  const Call c = make_call(a);
+  const RunScope scope(a);
   const Decision d = explain_attention(*c.q, *c.k, *c.v, c.opts);
-  std::string s = d.kernel;
-  for (const Rejection& r : d.rejected) s += "\x1e" + r.kernel + "\x1f" + r.reason;
-  return s + "\x1d" + d.explain();
+  c10::List<std::string> kernels, reasons;
+  for (const Rejection& r : d.rejected) {
+    kernels.push_back(r.kernel);
+    reasons.push_back(r.reason);
+  }
+  std::string text = d.explain();
+  torch::jit::drop(*stack, OpArgs::count(Parts::variants));
+  stack->emplace_back(d.kernel);
+  stack->emplace_back(std::move(kernels));
+  stack->emplace_back(std::move(reasons));
+  stack->emplace_back(std::move(text));
 }
 
 std::vector<std::string> kernel_names_op() { return all_kernel_names(); }
+std::vector<std::string> variant_fields_op() { return variant_fields(); }
+std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>> argument_names_op() {
+  ArgumentNames n = argument_names();
+  return {std::move(n.call), std::move(n.variants), std::move(n.context_parallel)};
+}
 
 // --- autograd ---
 
-const auto& dot_attention_op_handle() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("dimattn::dot_attention", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                               at::TensorList, c10::string_view)>();
-  return op;
+// Calls dimattn::`name`.`overload` below autograd with these arguments;
+// returns its outputs.
+std::vector<c10::IValue> call_below_autograd(const char* name, const char* overload, std::vector<c10::IValue> args) {
+  const at::AutoDispatchBelowADInplaceOrView below;
+  c10::Dispatcher::singleton().findSchemaOrThrow(name, overload).callBoxed(args);
+  return args;
 }
 
-// The sinks and the bias (aux tensors) are inputs of their own too, so that
-// autograd gives them a gradient; the other aux tensors get none.
+// Query, keys, values and the call's learnable tensors are the autograd
+// inputs; the call's arguments (with its variants) travel in saved_data.
 class DotAttentionFunction : public torch::autograd::Function<DotAttentionFunction> {
  public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const std::optional<at::Tensor>& /*sinks: in aux*/,
-                            const std::optional<at::Tensor>& /*bias: in aux*/, const std::vector<at::Tensor>& aux,
-                            const std::string& spec) {
-    const at::AutoDispatchBelowADInplaceOrView below;
-    std::vector<at::Tensor> saved{q, k, v};
-    saved.insert(saved.end(), aux.begin(), aux.end());
-    ctx->save_for_backward(saved);
-    ctx->saved_data["spec"] = spec;
-    return dot_attention_op_handle().call(q, k, v, aux, spec);
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList /*inputs: in args*/,
+                            const c10::IValue& args) {
+    ctx->saved_data["args"] = args;
+    return call_below_autograd("dimattn::dot_attention", "variants", args.toListRef().vec())[0].toTensor();
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    static const auto op =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("dimattn::dot_attention_backward", "")
-            .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::TensorList,
-                c10::string_view)>();
-    const auto saved = ctx->get_saved_variables();
-    const std::vector<at::Tensor> aux(saved.begin() + 3, saved.end());
-    const std::string spec = ctx->saved_data["spec"].toStringRef();
-    auto [gq, gk, gv, gsinks, gbias] = op.call(grads[0], saved[0], saved[1], saved[2], aux, spec);
-    // No gradient for the sinks or bias input where the call has none (it
-    // was no input then).
-    const CallSpec& s = parsed(spec);
-    return {gq, gk, gv, s.sinks ? gsinks : at::Tensor(), s.bias ? gbias : at::Tensor(), at::Tensor(), at::Tensor()};
+    std::vector<c10::IValue> args = ctx->saved_data["args"].toListRef().vec();
+    args.insert(args.begin(), grads[0]);
+    const std::vector<c10::IValue> out = call_below_autograd("dimattn::dot_attention_backward", "", std::move(args));
+    torch::autograd::variable_list g{out[0].toTensor(), out[1].toTensor(), out[2].toTensor()};
+    for (const at::Tensor& t : out[3].toTensorList().vec()) g.push_back(t);
+    g.emplace_back();  // args: no gradient
+    return g;
   }
 };
 
-at::Tensor dot_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  at::TensorList aux, c10::string_view spec) {
+// dot_attention and dot_attention.variants on the Autograd key.
+template <Parts parts>
+void dot_attention_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   // Nothing to record (inference): straight to the device kernel.
-  auto device_kernel = [&] {
-    const at::AutoDispatchBelowADInplaceOrView below;
-    return dot_attention_op_handle().call(q, k, v, aux, spec);
-  };
-  if (!at::GradMode::is_enabled()) return device_kernel();
-  const CallSpec& s = parsed(spec);
-  if (s.context_parallel) {
-    // The ring records its own autograd node (forward and backward over the
-    // group, no recomputation); eager only.
-    const Call c = make_call(spec, q, k, v, aux);
-    const RunScope scope(c.spec, aux);
-    const Tensor out = dot_attention(*c.q, *c.k, *c.v, c.opts);
-    return in_order(out, c.spec.out, c.table, "the output", {&q, &k, &v});
-  }
-  std::array<std::optional<at::Tensor>, 2> learned;  // sinks, bias
-  bool any_grad = q.requires_grad() || k.requires_grad() || v.requires_grad();
-  const std::optional<AuxTensorSpec>* learning[2] = {&s.sinks, &s.bias};  // as learnable() orders them
-  for (size_t i = 0; i < learned.size(); ++i)
-    if (*learning[i]) {
-      learned[i] = aux_at(aux, (*learning[i])->index);
-      any_grad = any_grad || learned[i]->requires_grad();
-    }
-  if (!any_grad) return device_kernel();
-  return DotAttentionFunction::apply(q, k, v, learned[0], learned[1], aux.vec(), std::string(spec));
+  auto below = [&] { op.redispatchBoxed(keys & c10::after_autograd_keyset, stack); };
+  if (!at::GradMode::is_enabled()) return below();
+  const size_t n = OpArgs::count(parts);
+  const OpArgs a = call_on(stack, parts);
+  std::vector<at::Tensor> inputs;
+  for (const Arg t : {Arg::query, Arg::keys, Arg::values}) inputs.push_back(a[t].toTensor());
+  for (const size_t i : learnable_args(a)) inputs.push_back((&a[Arg::query])[i].toTensor());
+  if (std::none_of(inputs.begin(), inputs.end(), [](const at::Tensor& t) { return t.requires_grad(); })) return below();
+  // The saved call holds every variant argument (None where an op has none),
+  // as dot_attention.variants and the backward op take them.
+  c10::impl::GenericList args(c10::AnyType::get());
+  for (size_t i = 0; i < n; ++i) args.push_back((&a[Arg::query])[i]);
+  for (size_t i = n; i < OpArgs::count(Parts::variants); ++i) args.push_back(c10::IValue());
+  at::Tensor out = DotAttentionFunction::apply(at::TensorList(inputs), c10::IValue(args));
+  torch::jit::drop(*stack, n);
+  stack->emplace_back(std::move(out));
+}
+
+// context_parallel_attention on the Autograd key: the ring records its own
+// autograd node (forward and backward over the group, no recomputation).
+void context_parallel_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const at::Tensor out = run(call_on(stack, Parts::context_parallel));
+  torch::jit::drop(*stack, OpArgs::count(Parts::context_parallel));
+  stack->emplace_back(out);
 }
 
 }  // namespace
 }  // namespace dimattn::python
 
 TORCH_LIBRARY(dimattn, m) {
-  m.def("dot_attention(Tensor query, Tensor keys, Tensor values, Tensor[] aux, str spec) -> Tensor");
-  m.def(
-      "dot_attention_backward(Tensor grad_output, Tensor query, Tensor keys, Tensor values, Tensor[] aux, str spec) "
-      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("dot_attention_trace(Tensor query, Tensor keys, Tensor values, Tensor[] aux, str spec) -> (Tensor, Tensor)");
-  m.def("explain(Tensor query, Tensor keys, Tensor values, Tensor[] aux, str spec) -> str");
+  using dimattn::python::call_schema_arguments;
+  using dimattn::python::Parts;
+  for (const std::string& schema :
+       {"dot_attention(" + call_schema_arguments(Parts::call) + ") -> Tensor",
+        "dot_attention.variants(" + call_schema_arguments(Parts::variants) + ") -> Tensor",
+        "context_parallel_attention(" + call_schema_arguments(Parts::context_parallel) + ") -> Tensor",
+        "dot_attention_backward(" + call_schema_arguments(Parts::variants, "Tensor grad_output, ") +
+            ") -> (Tensor, Tensor, Tensor, Tensor[])",
+        "dot_attention_trace(" + call_schema_arguments(Parts::variants, "", ", str[] energy_dims") + ") -> (Tensor, Tensor)",
+        "explain(" + call_schema_arguments(Parts::variants) + ") -> (str, str[], str[], str)"})
+    m.def(schema.c_str());
   m.def("kernel_names() -> str[]", &dimattn::python::kernel_names_op);
+  m.def("variant_fields() -> str[]", &dimattn::python::variant_fields_op);
+  m.def("argument_names() -> (str[], str[], str[])", &dimattn::python::argument_names_op);
 }
 
 namespace {
 void register_device_kernels(torch::Library& m) {
   using namespace dimattn::python;
-  m.impl("dot_attention", &dot_attention_op);
-  m.impl("dot_attention_backward", &dot_attention_backward_op);
-  m.impl("dot_attention_trace", &dot_attention_trace_op);
-  m.impl("explain", &explain_op);
+  m.impl("dot_attention", torch::CppFunction::makeFromBoxedFunction<&dot_attention_op<Parts::call>>());
+  m.impl("dot_attention.variants", torch::CppFunction::makeFromBoxedFunction<&dot_attention_op<Parts::variants>>());
+  m.impl("context_parallel_attention",
+         torch::CppFunction::makeFromBoxedFunction<&dot_attention_op<Parts::context_parallel>>());
+  m.impl("dot_attention_backward", torch::CppFunction::makeFromBoxedFunction<&dot_attention_backward_op>());
+  m.impl("dot_attention_trace", torch::CppFunction::makeFromBoxedFunction<&dot_attention_trace_op>());
+  m.impl("explain", torch::CppFunction::makeFromBoxedFunction<&explain_op>());
 }
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dimattn, CPU, m) { register_device_kernels(m); }
 TORCH_LIBRARY_IMPL(dimattn, CUDA, m) { register_device_kernels(m); }
-TORCH_LIBRARY_IMPL(dimattn, Autograd, m) { m.impl("dot_attention", &dimattn::python::dot_attention_autograd); }
+TORCH_LIBRARY_IMPL(dimattn, Autograd, m) {
+  using namespace dimattn::python;
+  m.impl("dot_attention", torch::CppFunction::makeFromBoxedFunction<&dot_attention_autograd<Parts::call>>());
+  m.impl("dot_attention.variants", torch::CppFunction::makeFromBoxedFunction<&dot_attention_autograd<Parts::variants>>());
+  m.impl("context_parallel_attention", torch::CppFunction::makeFromBoxedFunction<&context_parallel_autograd>());
+}

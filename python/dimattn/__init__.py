@@ -9,10 +9,12 @@
 See docs/python.md.
 """
 from ._core import Dim, Error, Tensor
-from ._attention import (AttentionTrace, Decision, Rejection, dot_attention, explain, force, kernel_names, trace,
-                         train_flag, train_scope)
+from ._context import AttentionTrace, force, kernel_names, trace, train_flag, train_scope
+from ._variants import Variants
+from ._attention import Decision, Rejection, dot_attention, explain
 from ._context_parallel import ContextParallel, shard, shard_ranges
+from . import nn
 
-__all__ = ["Dim", "Error", "Tensor", "AttentionTrace", "Decision", "Rejection", "dot_attention", "explain", "force",
-           "kernel_names", "trace", "train_flag", "train_scope", "ContextParallel", "shard", "shard_ranges"]
+__all__ = ["Dim", "Error", "Tensor", "AttentionTrace", "Decision", "Rejection", "Variants", "dot_attention", "explain",
+           "force", "kernel_names", "trace", "train_flag", "train_scope", "ContextParallel", "shard", "shard_ranges"]
 __version__ = "0.1.0"

@@ -3,13 +3,13 @@ torch.distributed process group (docs/distributed.md).
 
 Each rank passes its shard of query, keys and values along ``axis`` (self-attention:
 the query's positional dim and the kv axis are one dim, sharded alike) and gets its
-shard of the output. The op runs the whole call in C++ (frontend/src/
-context_parallel.cpp: blocks merged through their log-sum-exp, the ring or the
-all-gather over the c10d group, which it finds by the group's name in c10d's
-registry), forward and backward as one autograd node; here are the spec, the
-helpers that shard a tensor, and the encoding of a dynamic axis: its lengths (the
-whole sequence's) cross as the call's ``cp_lengths``, the axis itself as a static
-dim of the shard's size.
+shard of the output. The op ``dimattn::context_parallel_attention`` runs the whole
+call in C++ (``context_parallel_attention``, dimattn/context_parallel.h: blocks merged
+through their log-sum-exp, the ring or the all-gather over the c10d group, which it
+finds by the group's name in c10d's registry), forward and backward as one autograd
+node; here are the spec, the helpers that shard a tensor, and the encoding of a
+dynamic axis: its lengths (the whole sequence's) cross as the call's ``cp_lengths``,
+the axis itself as a static dim of the shard's size.
 
 Shardings: ``contiguous`` (rank r holds one run of positions, runs in rank order,
 any sizes) and ``load_balanced`` for causal attention (the sequence in 2N equal
@@ -24,6 +24,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from . import _call
 from ._core import Dim, Error, Tensor
 
 _SHARDINGS = ("contiguous", "load_balanced")
@@ -77,12 +78,9 @@ def shard(x: Tensor, dim: Dim, cp: ContextParallel, local_dim: Optional[Dim] = N
     return Tensor(raw, [local_dim if d is dim else d for d in x.dims])
 
 
-def attention(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, axis: Dim, cp: ContextParallel,
-              **options) -> Tensor:
+def attention(query: Tensor, keys: Tensor, values: Tensor, o: _call.Options, variants, cp: ContextParallel) -> Tensor:
     """dot_attention(..., context_parallel=cp): this rank's shard of the output.
     The op checks the call (and says what it does not take yet)."""
-    from . import _attention as a
-
     if not isinstance(cp, ContextParallel):
         raise Error(f"{_OP} context_parallel must be a dimattn.ContextParallel, got {type(cp).__name__}")
     if cp.sharding not in _SHARDINGS or cp.strategy not in _STRATEGIES:
@@ -92,36 +90,26 @@ def attention(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, axis
         raise Error(f"{_OP} context_parallel needs torch.distributed initialised (init_process_group) in every "
                     "process of the group")
     group = (cp.group if cp.group is not None else dist.group.WORLD).group_name
-    if ";" in group:
-        raise Error(f"{_OP} context_parallel: the group's name {group!r} holds ';', which the call spec cannot carry")
-    for name, x in (("query", query), ("keys", keys), ("values", values)):
-        a._check_operand(name, x)
-    if a._state.traces:
-        raise Error(f"{_OP} context_parallel calls cannot be traced (the energies live on every rank); trace a "
-                    "single-process call")
-    a._check_variants(options["window"], options["softcap"], options["alibi_slopes"], options["sinks"],
-                      options["bias"], options["mask"])
     # A dynamic axis holds the whole sequence's lengths; each rank's shard has
     # its own static size.
+    axis = o.axis
     local = Dim(axis.name, query.raw.shape[query.axis_of(axis)]) if axis.is_dynamic and query.has(axis) else axis
 
     def relabel(x: Tensor) -> Tensor:
         return Tensor._trusted(x.raw, [local if d is axis else d for d in x.dims]) if local is not axis and x.has(axis) \
             else x
     q, k, v = relabel(query), relabel(keys), relabel(values)
-    positional = {n: (local if options[n] is axis else options[n]) for n in
-                  ("causal_query_spatial_dim", "query_position_dim")}
-    out_dims = a._out_dims(q, k, v, key_dim, local)
-    timeout = "" if cp.timeout is None else repr(float(cp.timeout))
-    spec, aux = a._encode(q, k, v, key_dim, local, options["att_dropout"], options["att_dropout_broadcast"],
-                          positional["causal_query_spatial_dim"], options["causal_offset"], options["scale"],
-                          options["train"], out_dims, query_position_dim=positional["query_position_dim"],
-                          window=options["window"], softcap=options["softcap"], alibi_slopes=options["alibi_slopes"],
-                          sinks=options["sinks"], sink_off_by_one=options["sink_off_by_one"], bias=options["bias"],
-                          mask=options["mask"], context_parallel=(f"{cp.sharding}:{cp.strategy}:{timeout}:{group}",
-                                                                   axis.lengths if local is not axis else None))
+    lo = dataclasses.replace(o, axis=local, **{n: local for n in ("causal_query_spatial_dim", "query_position_dim")
+                                               if getattr(o, n) is axis})
+    out_dims = _call.out_dims(q, k, v, o.key_dim, local)
+    e = _call.encode(q, k, v, lo, variants, out_dims, named=[("cp_lengths", axis.lengths)] if local is not axis else [])
+    arguments = dict(e.arguments, cp_group=group, cp_sharding=cp.sharding, cp_strategy=cp.strategy)
+    if cp.timeout is not None:
+        arguments["cp_timeout"] = float(cp.timeout)
+    e = dataclasses.replace(e, arguments=arguments)
+    call = _call.call_arguments(e, variants, axis.lengths if local is not axis else None)
     try:
-        out = a._forward(query.raw, keys.raw, values.raw, aux, spec)
+        out = e.forward(query.raw, keys.raw, values.raw, *call)
     except RuntimeError as err:
-        a._raise_as_error(err)
+        _call.raise_as_error(err)
     return Tensor._trusted(out, [axis if d is local else d for d in out_dims])

@@ -8,7 +8,6 @@ Where the library is found, first hit wins:
 """
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 
@@ -34,45 +33,39 @@ torch.ops.load_library(str(_library_path()))
 ops = torch.ops.dimattn
 
 
-@functools.lru_cache(maxsize=1024)
-def _spec_lists(spec: str) -> dict:
-    """The name lists of a call spec (q, k, v, out, energy), and the aux indices of
-    its sinks and bias ("sinks", "bias", absent without)."""
-    lists = {}
-    for entry in spec.split(";"):
-        key, _, value = entry.partition("=")
-        if key in ("q", "k", "v", "out", "energy"):
-            lists[key] = value.split(",") if value else []
-        elif key in ("sinks", "bias"):
-            lists[key] = int(value.partition(":")[0])
-    return lists
+# The ops' arguments are typed (python/csrc/op_args.h), passed positionally
+# after the operands (or by name): the fake kernels read them by name.
+_ARGUMENT_NAMES = tuple(name for group in ops.argument_names() for name in group)
 
 
-def _sizes(lists: dict, query, keys, values) -> dict:
-    sizes = {}
-    for tag, t in (("q", query), ("k", keys), ("v", values)):
-        for name, size in zip(lists[tag], t.shape):
-            sizes[name] = size
-    return sizes
+def _named(args, kwargs) -> dict:
+    a = dict(zip(_ARGUMENT_NAMES, args))
+    a.update(kwargs)
+    return a
 
 
 @torch.library.register_fake("dimattn::dot_attention")
-def _dot_attention_fake(query, keys, values, aux, spec):
-    lists = _spec_lists(spec)
-    sizes = _sizes(lists, query, keys, values)
-    return query.new_empty([sizes[n] for n in lists["out"]])
+@torch.library.register_fake("dimattn::dot_attention.variants")
+@torch.library.register_fake("dimattn::context_parallel_attention")
+def _dot_attention_fake(query, keys, values, *args, **kwargs):
+    a = _named(args, kwargs)
+    sizes = {}
+    for names, t in ((a["query_dims"], query), (a["keys_dims"], keys), (a["values_dims"], values)):
+        sizes.update(zip(names, t.shape))
+    return query.new_empty([sizes[n] for n in a["out_dims"]])
+
+
+# The learnable variant tensors (their gradients are the backward op's list
+# output, in field order): "name:learnable" in the library's variant fields.
+_LEARNABLE = tuple(f.split(":")[0] for f in ops.variant_fields() if f.endswith(":learnable"))
 
 
 @torch.library.register_fake("dimattn::dot_attention_backward")
-def _dot_attention_backward_fake(grad_output, query, keys, values, aux, spec):
-    # The fourth and fifth outputs are the gradients of the sinks and the bias,
-    # each of its aux tensor's shape, or size 0 for a call without it.
-    lists = _spec_lists(spec)
+def _dot_attention_backward_fake(grad_output, query, keys, values, *args, **kwargs):
+    a = _named(args, kwargs)
 
     def like(x):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
-    def learned(key):
-        return query.new_empty(0) if lists.get(key) is None else like(aux[lists[key]])
-
-    return like(query), like(keys), like(values), learned("sinks"), learned("bias")
+    learned = [like(a[n]) for n in _LEARNABLE if a.get(n) is not None]
+    return like(query), like(keys), like(values), learned

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <sstream>
 
+#include "dimattn/error.h"
 #include "dimattn/ext/backend.h"
 #include "dimattn/forcing.h"
 #include "dimattn/ops.h"
@@ -76,16 +77,12 @@ std::string AttentionCase::describe() const {
 }
 
 std::string CaseVariants::describe() const {
-  std::ostringstream os;
-  if (window_left || window_right)
-    os << " window=[" << (window_left ? std::to_string(*window_left) : "-") << ","
-       << (window_right ? std::to_string(*window_right) : "-") << "]";
-  if (softcap) os << " softcap=" << *softcap;
-  if (alibi) os << " alibi";
-  if (sinks) os << " sinks";
-  if (!bias.empty()) os << " bias=" << bias;
-  if (!mask.empty()) os << " mask=" << mask;
-  return os.str();
+  std::string s = scalars.describe();
+  if (alibi) s += " alibi";
+  if (sinks) s += " sinks";
+  if (!bias.empty()) s += " bias=" + bias;
+  if (!mask.empty()) s += " mask=" + mask;
+  return s;
 }
 
 std::optional<std::string> invalid_reason(const AttentionCase& c) {
@@ -105,7 +102,13 @@ std::optional<std::string> invalid_reason(const AttentionCase& c) {
   const bool positional = v.positional();
   if (!c.offsets.empty() && !c.causal && !positional) return "causal offsets need causal attention, a window or ALiBi";
   if (positional && c.kind == Kind::step) return "windows and ALiBi need the query's positional dim; a step has none";
-  if (c.causal && v.window_right && *v.window_right > 0) return "causal attention sees no position right of the diagonal";
+  try {
+    v.scalars.check_values("case", c.causal);
+  } catch (const Error& e) {  // the library's own message, less its "[case] "
+    const std::string why = e.what();
+    return why.substr(why.find("] ") + 2);
+  }
+  if (v.sinks && v.scalars.sink_off_by_one) return "sinks and the off-by-one sink exclude each other";
   if (c.offsets.size() > 1 && static_cast<int64_t>(c.offsets.size()) != c.batch)
     return "give one causal offset, or one per batch entry (" + B + ")";
   if (c.causal && c.offsets.empty() && c.seq_q != c.seq_k)
@@ -179,25 +182,25 @@ Operands make_operands(const AttentionCase& c, bool requires_grad) {
   if (c.causal && time) ops.opts.causal_query_spatial_dim = *time;
   const CaseVariants& v = c.variants;
   if (!c.causal && time && v.positional()) ops.opts.query_position_dim = *time;
-  if (v.window_left || v.window_right) ops.opts.window = AttentionWindow{v.window_left, v.window_right};
-  ops.opts.softcap = v.softcap;
+  ops.opts.variants = v.scalars;
   const TensorOptions floats{.dtype = c.dtype, .device = c.device, .backend = c.backend};
   auto per_head = [&](auto value) {
     std::vector<double> v;
     for (int64_t h = 0; h < c.heads; ++h) v.push_back(value(h));
     return from_host({heads}, v, floats);
   };
-  if (v.alibi) ops.opts.alibi_slopes = per_head([](int64_t h) { return std::exp2(-static_cast<double>(h + 1)); });
-  if (v.sinks) ops.opts.sinks = per_head([](int64_t h) { return static_cast<double>(h % 3) - 1.0; });
+  AttentionVariants& var = ops.opts.variants;
+  if (v.alibi) var.alibi_slopes = per_head([](int64_t h) { return std::exp2(-static_cast<double>(h + 1)); });
+  if (v.sinks) var.sinks = per_head([](int64_t h) { return static_cast<double>(h % 3) - 1.0; });
   // Bias and mask over the dims their letters name, in the order given.
   auto score_dims = [&](const std::string& letters) {
     Dims dims;
     for (char x : letters) dims.push_back(x == 'b' ? batch : x == 'h' ? heads : x == 'g' ? group : x == 't' ? *time : kv);
     return dims;
   };
-  if (!v.bias.empty()) ops.opts.bias = operand(score_dims(v.bias), c.seed + 3);
+  if (!v.bias.empty()) var.bias = operand(score_dims(v.bias), c.seed + 3);
   if (!v.mask.empty())
-    ops.opts.mask = compare(random_uniform(score_dims(v.mask), c.seed + 4, {.device = c.device, .backend = c.backend}),
+    var.mask = compare(random_uniform(score_dims(v.mask), c.seed + 4, {.device = c.device, .backend = c.backend}),
                             Compare::ge, 0.25);
   if (c.offsets.size() == 1) ops.opts.causal_offset = scalar(static_cast<double>(c.offsets[0]), ints);
   if (c.offsets.size() > 1) ops.opts.causal_offset = from_host({batch}, as_doubles(c.offsets), ints);

@@ -43,15 +43,15 @@ std::pair<Tensor, Tensor> variants_example() {
   // Gemma-2 style: a local layer with a 4096-position causal window and soft-capped logits.
   Tensor local = dot_attention(q, k, v, {.key_dim = feat, .axis = time,
                                          .causal_query_spatial_dim = time,
-                                         .window = AttentionWindow{4096, std::nullopt},
-                                         .softcap = 50.0});
+                                         .variants = {.window = AttentionWindow{4096, std::nullopt},
+                                                      .softcap = 50.0}});
   // GPT-OSS style: per-head sinks (learnable: requires_grad on the torch backend)
   // with a 128-position sliding window.
   Tensor sinks = zeros({heads});
   Tensor out = dot_attention(q, k, v, {.key_dim = feat, .axis = time,
                                        .causal_query_spatial_dim = time,
-                                       .window = AttentionWindow{128, std::nullopt},
-                                       .sinks = sinks});
+                                       .variants = {.window = AttentionWindow{128, std::nullopt},
+                                                    .sinks = sinks}});
   // --- variants example end ---
   return {local, out};
 }
@@ -71,7 +71,7 @@ Tensor bias_example() {
   Tensor same_doc = compare(random_uniform({batch, time, kv}, 5), Compare::ge, 0.2);
   Tensor out = dot_attention(q, keys, values, {.key_dim = feat, .axis = kv,
                                                .causal_query_spatial_dim = time,
-                                               .bias = rel_bias, .mask = same_doc});
+                                               .variants = {.bias = rel_bias, .mask = same_doc}});
   // --- bias example end ---
   return out;
 }

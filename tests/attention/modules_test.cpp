@@ -179,13 +179,13 @@ AttentionConfig four_heads(const Dim& in, const Dim& out, const TensorOptions& o
 TEST_P(Modules, VariantsEqualAManualDotAttentionCall) {
   const std::vector<VariantCase> cases = {
       {"alibi", false, [](AttentionConfig& c) { c.alibi = true; }},
-      {"softcap", false, [](AttentionConfig& c) { c.softcap = 0.5; }},
+      {"softcap", false, [](AttentionConfig& c) { c.variants.softcap = 0.5; }},
       {"sinks", false, [](AttentionConfig& c) { c.sinks = true; }},
-      {"off_by_one", false, [](AttentionConfig& c) { c.sink_off_by_one = true; }},
-      {"window_two_sided", false, [](AttentionConfig& c) { c.window = AttentionWindow{1, 2}; }},
+      {"off_by_one", false, [](AttentionConfig& c) { c.variants.sink_off_by_one = true; }},
+      {"window_two_sided", false, [](AttentionConfig& c) { c.variants.window = AttentionWindow{1, 2}; }},
       {"causal_alibi", true, [](AttentionConfig& c) { c.alibi = true; }},
-      {"causal_softcap_sinks", true, [](AttentionConfig& c) { c.softcap = 0.5; c.sinks = true; }},
-      {"causal_window", true, [](AttentionConfig& c) { c.window = AttentionWindow{2, std::nullopt}; }},
+      {"causal_softcap_sinks", true, [](AttentionConfig& c) { c.variants.softcap = 0.5; c.sinks = true; }},
+      {"causal_window", true, [](AttentionConfig& c) { c.variants.window = AttentionWindow{2, std::nullopt}; }},
   };
   Dim batch("batch", 2), in("in", 6), out("out", 5);
   Dim time = Dim::dynamic("time", lengths(batch, {6, 4}));
@@ -209,14 +209,14 @@ TEST_P(Modules, VariantsEqualAManualDotAttentionCall) {
     const Tensor got = v.causal ? (*causal)(x, time) : (*full)(x, time);
 
     auto [q, k, vals] = v.causal ? causal->project_qkv(x) : full->project_qkv(x);
-    AttentionOptions o{.key_dim = att.key_dim_per_head, .axis = time, .window = c.window, .softcap = c.softcap};
+    AttentionOptions o{.key_dim = att.key_dim_per_head, .axis = time, .variants = {.window = c.variants.window, .softcap = c.variants.softcap}};
     if (v.causal)
       o.causal_query_spatial_dim = time;
-    else if (c.window || c.alibi)
+    else if (c.variants.window || c.alibi)
       o.query_position_dim = time;
-    if (c.alibi) o.alibi_slopes = from_host({att.heads}, slopes, opts());
-    if (c.sinks) o.sinks = *att.sinks;
-    o.sink_off_by_one = c.sink_off_by_one;
+    if (c.alibi) o.variants.alibi_slopes = from_host({att.heads}, slopes, opts());
+    if (c.sinks) o.variants.sinks = *att.sinks;
+    o.variants.sink_off_by_one = c.variants.sink_off_by_one;
     const Tensor att_out = dot_attention(q, k, vals, o);
     const Tensor want = v.causal ? causal->merge_heads(att_out) : full->merge_heads(att_out);
     EXPECT_LT(max_abs_diff(got, want, {batch, time, out}), 1e-6);
@@ -246,7 +246,7 @@ TEST_P(Modules, CrossAttentionTakesSoftcapAndSinks) {
   Dim batch("batch", 2), in("in", 6), enc_feat("enc_feat", 7), out("out", 4);
   Dim enc = Dim::dynamic("enc", lengths(batch, {4, 6}));
   AttentionConfig c = config(in, out);
-  c.softcap = 0.5;
+  c.variants.softcap = 0.5;
   c.sinks = true;
   CrossAttention att(c, enc_feat);
   ASSERT_TRUE(att.sinks.has_value());
@@ -254,7 +254,7 @@ TEST_P(Modules, CrossAttentionTakesSoftcapAndSinks) {
   const Tensor x = random_normal({batch, in}, 2, opts());
   const Tensor q = split_dims(att.query(x), c.key_dim_total, {att.heads, att.key_dim_per_head});
   const Tensor manual = dot_attention(q, state.keys, state.values,
-                                     {.key_dim = att.key_dim_per_head, .axis = enc, .softcap = 0.5, .sinks = att.sinks});
+                                     {.key_dim = att.key_dim_per_head, .axis = enc, .variants = {.softcap = 0.5, .sinks = att.sinks}});
   const Tensor want = att.proj(merge_dims(manual, {att.heads, att.value_dim_per_head}, c.value_dim_total).first);
   EXPECT_LT(max_abs_diff(att(x, state), want, {batch, out}), 1e-6);
 }
@@ -262,16 +262,26 @@ TEST_P(Modules, CrossAttentionTakesSoftcapAndSinks) {
 TEST_P(Modules, BadVariantConfigsAreErrors) {
   Dim in("in", 6), out("out", 5);
   AttentionConfig c = config(in, out);
-  c.window = AttentionWindow{2, 1};
+  c.variants.window = AttentionWindow{2, 1};
   expect_error([&] { CausalSelfAttention att(c); }, "CausalSelfAttention", {"window.right is 1"});
-  c.window = AttentionWindow{-1, std::nullopt};
+  c.variants.window = AttentionWindow{-1, std::nullopt};
   expect_error([&] { CausalSelfAttention att(c); }, "CausalSelfAttention", {"window.left", "-1"});
   expect_error([&] { SelfAttention att(c); }, "SelfAttention", {"window.left", "-1"});
-  c.window = AttentionWindow{2, std::nullopt};
+  c.variants.window = AttentionWindow{2, std::nullopt};
   expect_error([&] { CrossAttention att(c, Dim("enc_feat", 3)); }, "CrossAttention", {"a window"});
-  c.window.reset();
+  c.variants.window.reset();
   c.alibi = true;
   expect_error([&] { CrossAttention att(c, Dim("enc_feat", 3)); }, "CrossAttention", {"ALiBi"});
+  // The config carries the scalar variants; tensors are the module's own.
+  c.alibi = false;
+  c.variants.mask = compare(random_uniform({Dim("kv", 4)}, 1, opts()), Compare::ge, 0.5);
+  expect_error([&] { SelfAttention att(c); }, "SelfAttention", {"config.variants holds the tensor(s) mask"});
+  c.variants.mask.reset();
+  c.variants.sink_off_by_one = true;
+  c.sinks = true;
+  expect_error([&] { SelfAttention att(c); }, "SelfAttention", {"sinks and sink_off_by_one are both set"});
+  expect_error([&] { CrossAttention att(c, Dim("enc_feat", 3)); }, "CrossAttention",
+               {"sinks and sink_off_by_one are both set"});
 }
 
 // Feeds x to a causal module in chunks: entry b's k-th chunk is its next
@@ -284,7 +294,7 @@ int check_chunks(const CausalSelfAttention& att, const Tensor& x, const Tensor& 
   const Dim out = att.config.proj_dim;
   const std::vector<double> want = to_host(full, Dims{batch, time, out});
   const int64_t B = batch.extent(), T = time.extent(), F = out.extent();
-  const std::optional<int64_t> left = att.config.window ? att.config.window->left : std::nullopt;
+  const std::optional<int64_t> left = att.config.variants.window ? att.config.variants.window->left : std::nullopt;
   auto state = att.initial_state({batch});
   std::vector<int64_t> start(B, 0);
   int compared = 0;
@@ -332,19 +342,19 @@ std::vector<std::vector<int>> even_chunks(const std::vector<int>& lens, int size
 
 TEST_P(Modules, WindowedCausalStepsAndChunksEqualTheFullSequence) {
   const std::vector<VariantCase> cases = {
-      {"window3", true, [](AttentionConfig& c) { c.window = AttentionWindow{3, std::nullopt}; }},
-      {"window0", true, [](AttentionConfig& c) { c.window = AttentionWindow{0, 0}; }},
+      {"window3", true, [](AttentionConfig& c) { c.variants.window = AttentionWindow{3, std::nullopt}; }},
+      {"window0", true, [](AttentionConfig& c) { c.variants.window = AttentionWindow{0, 0}; }},
       {"window2_alibi_softcap_sinks", true,
        [](AttentionConfig& c) {
-         c.window = AttentionWindow{2, std::nullopt};
-         c.softcap = 0.8; c.alibi = true; c.sinks = true;
+         c.variants.window = AttentionWindow{2, std::nullopt};
+         c.variants.softcap = 0.8; c.alibi = true; c.sinks = true;
        }},
-      {"alibi_off_by_one", true, [](AttentionConfig& c) { c.alibi = true; c.sink_off_by_one = true; }},
+      {"alibi_off_by_one", true, [](AttentionConfig& c) { c.alibi = true; c.variants.sink_off_by_one = true; }},
       // Distances up to 8 beyond max_distance 6: the clamp acts too.
       {"relative_position", true, [](AttentionConfig& c) { c.relative_position = RelativePositionBuckets{8, 6}; }},
       {"window3_relative_position_sinks", true,
        [](AttentionConfig& c) {
-         c.window = AttentionWindow{3, std::nullopt};
+         c.variants.window = AttentionWindow{3, std::nullopt};
          c.relative_position = RelativePositionBuckets{8, 6}; c.sinks = true;
        }},
   };
@@ -360,7 +370,7 @@ TEST_P(Modules, WindowedCausalStepsAndChunksEqualTheFullSequence) {
     const CausalSelfAttention att(c);
     const Tensor full = att(x, time);
     const std::vector<double> want = to_host(full, Dims{batch, time, out});
-    const std::optional<int64_t> left = c.window ? c.window->left : std::nullopt;
+    const std::optional<int64_t> left = c.variants.window ? c.variants.window->left : std::nullopt;
 
     // Step by step: every entry takes a position each step (the shorter one
     // padding input past its length, compared only within it).
@@ -396,7 +406,7 @@ TEST_P(Modules, WindowedCausalStepsAndChunksEqualTheFullSequence) {
 TEST_P(Modules, WindowedStateStaysBoundedOverManySteps) {
   Dim batch("batch", 3), in("in", 6), out("out", 5), time("time", 40);
   AttentionConfig c = config(in, out);
-  c.window = AttentionWindow{4, std::nullopt};
+  c.variants.window = AttentionWindow{4, std::nullopt};
   const CausalSelfAttention att(c);
   const Tensor x = random_normal({batch, time, in}, 7, opts());
   auto state = att.initial_state({batch});
@@ -482,7 +492,7 @@ TEST_P(Modules, SinksGetAGradient) {
   const std::vector<int> learning = check_parameter_gradient(
       [](AttentionConfig& c, bool causal) {
         c.sinks = true;
-        c.window = AttentionWindow{2, causal ? std::nullopt : std::optional<int64_t>(1)};
+        c.variants.window = AttentionWindow{2, causal ? std::nullopt : std::optional<int64_t>(1)};
       },
       [](SelfAttention& att) -> Tensor& { return *att.sinks; }, {5, 3});
   EXPECT_EQ(learning, (std::vector<int>{4, 4}));  // every head's sink, both modules
@@ -600,7 +610,7 @@ TEST_P(Modules, RelativePositionBiasEqualsAManualDotAttentionCall) {
     auto [q, k, v] = causal ? causal_att->project_qkv(x) : full_att->project_qkv(x);
     Dim kv = Dim::dynamic("kv", time.lengths(), time.extent());
     const Tensor bias = from_host({att.heads, time, kv}, host_bias(*att.relative_position_bias, 1, 7, 7, {0}), opts());
-    AttentionOptions o{.key_dim = att.key_dim_per_head, .axis = kv, .bias = bias};
+    AttentionOptions o{.key_dim = att.key_dim_per_head, .axis = kv, .variants = {.bias = bias}};
     if (causal) o.causal_query_spatial_dim = time;
     const Tensor att_out = dot_attention(q, replace_dim(k, time, kv), replace_dim(v, time, kv), o);
     const Tensor want = causal ? causal_att->merge_heads(att_out) : full_att->merge_heads(att_out);

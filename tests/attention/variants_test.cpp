@@ -110,11 +110,11 @@ struct Call {
       opts.query_position_dim = tq;
     if (!var.offsets.empty())
       opts.causal_offset = from_host({batch}, var.offsets, {.dtype = DType::int64, .backend = backend});
-    if (var.left || var.right) opts.window = AttentionWindow{var.left, var.right};
-    if (var.softcap > 0) opts.softcap = var.softcap;
-    if (var.alibi) opts.alibi_slopes = slopes = from_host({heads}, {0.5, 0.25, 0.125}, o);
-    if (var.sinks) opts.sinks = sinks = from_host({heads}, {0.3, -1.0, 2.0}, o);
-    opts.sink_off_by_one = var.off_by_one;
+    if (var.left || var.right) opts.variants.window = AttentionWindow{var.left, var.right};
+    if (var.softcap > 0) opts.variants.softcap = var.softcap;
+    if (var.alibi) opts.variants.alibi_slopes = slopes = from_host({heads}, {0.5, 0.25, 0.125}, o);
+    if (var.sinks) opts.variants.sinks = sinks = from_host({heads}, {0.3, -1.0, 2.0}, o);
+    opts.variants.sink_off_by_one = var.off_by_one;
     opts.att_dropout = var.dropout;
     std::vector<double> bv, mv;
     for (int b = 0; b < B; ++b)
@@ -123,8 +123,8 @@ struct Call {
     for (int h = 0; h < H; ++h)
       for (int i = 0; i < Tq; ++i)
         for (int j = 0; j < Tk; ++j) bv.push_back(bias_value(h, i, j));
-    if (var.bias) opts.bias = bias = from_host({heads, tq, tk}, bv, o);
-    if (var.mask) opts.mask = from_host({batch, tq, tk}, mv, {.dtype = DType::boolean, .backend = backend});
+    if (var.bias) opts.variants.bias = bias = from_host({heads, tq, tk}, bv, o);
+    if (var.mask) opts.variants.mask = from_host({batch, tq, tk}, mv, {.dtype = DType::boolean, .backend = backend});
   }
 };
 
@@ -190,10 +190,10 @@ TEST_P(AttentionVariants, CpuFlashGradientsMatchTheReferencePath) {
     Call r = c;
     auto leaf = [](const Tensor& x) { return to_backend(x, "torch").requires_grad(true); };
     r.q = leaf(c.q), r.k = leaf(c.k), r.v = leaf(c.v);
-    if (c.sinks) r.opts.sinks = leaf(*c.sinks);
-    if (c.bias) r.opts.bias = leaf(*c.bias);
-    if (c.opts.mask) r.opts.mask = to_backend(*c.opts.mask, "torch");
-    if (c.slopes) r.opts.alibi_slopes = to_backend(*c.slopes, "torch");
+    if (c.sinks) r.opts.variants.sinks = leaf(*c.sinks);
+    if (c.bias) r.opts.variants.bias = leaf(*c.bias);
+    if (c.opts.variants.mask) r.opts.variants.mask = to_backend(*c.opts.variants.mask, "torch");
+    if (c.slopes) r.opts.variants.alibi_slopes = to_backend(*c.slopes, "torch");
     if (c.opts.causal_offset) r.opts.causal_offset = to_backend(*c.opts.causal_offset, "torch");
     set_random_seed(5);
     {
@@ -207,11 +207,11 @@ TEST_P(AttentionVariants, CpuFlashGradientsMatchTheReferencePath) {
       if (GetParam() != "torch") return dot_attention_backward(c.q, c.k, c.v, c.opts, dout);
       Call f = c;
       f.q = leaf(c.q), f.k = leaf(c.k), f.v = leaf(c.v);
-      if (c.sinks) f.opts.sinks = leaf(*c.sinks);
-      if (c.bias) f.opts.bias = leaf(*c.bias);
+      if (c.sinks) f.opts.variants.sinks = leaf(*c.sinks);
+      if (c.bias) f.opts.variants.bias = leaf(*c.bias);
       reduce_sum(mul(dot_attention(f.q, f.k, f.v, f.opts), dout), dout.dims()).backward();
-      return {*f.q.grad(), *f.k.grad(), *f.v.grad(), c.sinks ? f.opts.sinks->grad() : std::nullopt,
-              c.bias ? f.opts.bias->grad() : std::nullopt};
+      return {*f.q.grad(), *f.k.grad(), *f.v.grad(), c.sinks ? f.opts.variants.sinks->grad() : std::nullopt,
+              c.bias ? f.opts.variants.bias->grad() : std::nullopt};
     };
     const AttentionGrads g = fused_grads();
     EXPECT_LT(max_abs_diff(g.query, *r.q.grad(), c.q.dims()), tol) << "dq";
@@ -219,11 +219,11 @@ TEST_P(AttentionVariants, CpuFlashGradientsMatchTheReferencePath) {
     EXPECT_LT(max_abs_diff(g.values, *r.v.grad(), c.v.dims()), tol) << "dv";
     if (c.sinks) {
       ASSERT_TRUE(g.sinks.has_value()) << "no sinks gradient";
-      EXPECT_LT(max_abs_diff(*g.sinks, *r.opts.sinks->grad(), c.sinks->dims()), tol) << "dsinks";
+      EXPECT_LT(max_abs_diff(*g.sinks, *r.opts.variants.sinks->grad(), c.sinks->dims()), tol) << "dsinks";
     }
     if (c.bias) {
       ASSERT_TRUE(g.bias.has_value()) << "no bias gradient";
-      EXPECT_LT(max_abs_diff(*g.bias, *r.opts.bias->grad(), c.bias->dims()), tol) << "dbias";
+      EXPECT_LT(max_abs_diff(*g.bias, *r.opts.variants.bias->grad(), c.bias->dims()), tol) << "dbias";
     }
     ++ran;
   }
@@ -247,9 +247,9 @@ TEST_P(AttentionVariants, MaskedRowIsZeroAndBiasOfMinusInfinityMasksAlike) {
   const Variant var{.name = "mask", .mask = true};
   Call c(var, DType::float32, GetParam());
   AttentionOptions as_bias = c.opts;
-  as_bias.mask.reset();
-  const Tensor zeros = mul(cast(*c.opts.mask, DType::float32), 0.0);
-  as_bias.bias = where(*c.opts.mask, zeros, -std::numeric_limits<double>::infinity());
+  as_bias.variants.mask.reset();
+  const Tensor zeros = mul(cast(*c.opts.variants.mask, DType::float32), 0.0);
+  as_bias.variants.bias = where(*c.opts.variants.mask, zeros, -std::numeric_limits<double>::infinity());
   int ran = 0;
   for (const char* kernel : {"reference", "cpu_flash"}) {
     ForceKernels force(kernel);
@@ -271,9 +271,9 @@ TEST_P(AttentionVariants, BroadcastAndPermutedBiasGiveTheSameResult) {
   Call c(var, DType::float32, GetParam());
   const Tensor plane = random_normal({c.tq, c.tk}, 21, {.backend = GetParam()});
   AttentionOptions broadcast = c.opts, permuted = c.opts, plain = c.opts;
-  broadcast.bias = expand_dim(plane, c.heads);
-  permuted.bias = copy_transpose(plane, {c.tk, c.tq});
-  plain.bias = plane;
+  broadcast.variants.bias = expand_dim(plane, c.heads);
+  permuted.variants.bias = copy_transpose(plane, {c.tk, c.tq});
+  plain.variants.bias = plane;
   int ran = 0;
   for (const char* kernel : {"reference", "cpu_flash"}) {
     ForceKernels force(kernel);

@@ -219,11 +219,11 @@ TEST(Cli, BenchListsRejectedKernelsWithTheirReason) {
 // Variant options reach selection (explain shows the presence bits) and
 // every bench config that can take them; the others are left out.
 TEST(Cli, VariantOptionsReachExplainAndBench) {
-  const Result e = run("explain --batch 2 --heads 2 --seq-q 8 --seq-k 12 --head-dim 8 --window-left 4 --softcap 30 "
+  const Result e = run("explain --batch 2 --heads 2 --seq-q 8 --seq-k 12 --head-dim 8 --window 4: --softcap 30 "
                        "--alibi --sinks --bias htk --mask bk");
   ASSERT_EQ(e.status, 0) << e.err;
   EXPECT_NE(e.out.find("variants=window,softcap,alibi,sinks,bias,mask "), std::string::npos) << e.out;
-  const Result b = run("bench --quick --seq 8 --repeats 1 --threads 1 --device cpu --bias htk --window-left 4");
+  const Result b = run("bench --quick --seq 8 --repeats 1 --threads 1 --device cpu --bias htk --window 4:");
   ASSERT_EQ(b.status, 0) << b.err;
   EXPECT_NE(b.out.find("variants on every config: window=[4,-] bias=htk"), std::string::npos) << b.out;
   // A bias over the query time (t) needs the cross kind's own kv dim.

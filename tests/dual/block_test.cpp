@@ -3,8 +3,13 @@
 // and merged through the lse equals the whole call — output and gradients,
 // dropout, windows and ALiBi included — on every backend with a CPU kernel.
 // The building blocks of context parallelism (docs/distributed.md).
+#include <functional>
+#include <optional>
+#include <utility>
+
 #include "dimattn/attention.h"
 #include "dimattn/forcing.h"
+#include "dimattn/registry.h"
 #include "dimattn/ops.h"
 #include "dimattn/run_context.h"
 #include "support/test_util.h"
@@ -63,9 +68,9 @@ TEST(Blocks, MergedBlocksEqualTheWholeCall) {
         if (var.causal) o.causal_query_spatial_dim = qd;
         else o.query_position_dim = qd;
         if (var.window_alibi) {
-          o.window = AttentionWindow{.left = 3};
+          o.variants.window = AttentionWindow{.left = 3};
           const Tensor slopes = from_host({heads}, {0.5, 0.25}, o64);
-          o.alibi_slopes = placed ? to_device(slopes, place.device) : slopes;
+          o.variants.alibi_slopes = placed ? to_device(slopes, place.device) : slopes;
         }
         return o;
       };
@@ -166,6 +171,32 @@ TEST(Blocks, PositionsKeyTheDropoutMask) {
   EXPECT_GT(testing::max_abs_diff(run(3, 3), run(0, 0), {time, vfeat}), 1e-3) << "positions do not key the mask";
 }
 
+// AttentionOptions::dropout_seed gives the mask whatever the run context's
+// seed (the blocks of one sequence share one), and draws nothing from it.
+TEST(Blocks, DropoutSeedGivesTheMask) {
+  for (const std::string backend : {"eigen", "torch"}) {
+    if (!has_backend(backend)) continue;
+    const TensorOptions o64{.dtype = DType::float64, .backend = backend};
+    Dim time("time", 8), feat("feat", 4), vfeat("vfeat", 4);
+    const Tensor x = random_normal({time, feat}, 1, o64), v = random_normal({time, vfeat}, 2, o64);
+    const TrainFlagScope train(true);
+    auto run = [&](uint64_t run_seed, std::optional<uint64_t> seed) {
+      AttentionOptions o{.key_dim = feat, .axis = time, .att_dropout = 0.5, .query_position_dim = time};
+      o.dropout_seed = seed;
+      set_random_seed(run_seed);
+      return dot_attention_block(x, x, v, o).output;
+    };
+    EXPECT_EQ(testing::max_abs_diff(run(1, 7), run(2, 7), {time, vfeat}), 0.0) << backend;
+    EXPECT_GT(testing::max_abs_diff(run(1, 7), run(1, 8), {time, vfeat}), 1e-3) << backend << ": the seed is not used";
+    EXPECT_GT(testing::max_abs_diff(run(1, std::nullopt), run(2, std::nullopt), {time, vfeat}), 1e-3) << backend;
+    set_random_seed(3);
+    const uint64_t first = next_random_seed();
+    set_random_seed(3);
+    run(3, 7);
+    EXPECT_EQ(next_random_seed(), first) << backend << ": a call with its own seed drew one from the run context";
+  }
+}
+
 // The reference path keys a block's dropout as the kernels do: a call placed
 // by positions (odd, so the kernels' first group of four is unaligned) draws
 // one mask on both.
@@ -195,6 +226,50 @@ TEST(Blocks, ReferenceAndKernelDrawOneMaskForABlock) {
   if (ran == 0) GTEST_SKIP() << "no backend with cpu_flash";
 }
 
+// Blocks and gradients outside autograd run from the backend's kernel
+// table, so forcing reaches them: forced cpu_flash computes them, and every
+// other CPU kernel forced (the reference path and ATen's give no lse and have
+// no backward pass of their own) is an error naming it and why, never a
+// silent fallback to cpu_flash.
+TEST(Blocks, ForcingReachesBlocksAndGradients) {
+  int ran = 0;
+  for (const std::string backend : {"eigen", "torch"}) {
+    if (!has_backend(backend)) continue;
+    const TensorOptions o64{.dtype = DType::float64, .backend = backend};
+    Dim time("time", 5), feat("feat", 4), heads("heads", 2);
+    const Tensor x = random_normal({heads, time, feat}, 1, o64), dout = random_normal({heads, time, feat}, 2, o64);
+    const AttentionOptions o{.key_dim = feat, .axis = time, .query_position_dim = time};
+    const AttentionBlock merged = dot_attention_block(x, x, x, o);
+    const auto block = [&] { dot_attention_block(x, x, x, o); };
+    const auto grads = [&] { dot_attention_backward(x, x, x, o, dout); };
+    const auto block_grads = [&] { dot_attention_block_backward(x, x, x, o, merged, dout); };
+    {
+      const ForceKernels force("cpu_flash");
+      EXPECT_EQ(testing::error_of(block), "") << backend;
+      EXPECT_EQ(testing::error_of(grads), "") << backend;
+      EXPECT_EQ(testing::error_of(block_grads), "") << backend;
+    }
+    for (const std::string& kernel : get_backend(backend).attention_kernels(kCPU)) {
+      if (kernel == "cpu_flash") continue;
+      const ForceKernels force(kernel);
+      const std::string why = backend + " forcing " + kernel;
+      std::string msg = testing::error_of(block);
+      EXPECT_EQ(msg.rfind("[dot_attention_block] no forced kernel can compute this call as a block", 0), 0u)
+          << why << ": " << msg;
+      EXPECT_NE(msg.find(kernel + ": gives no lse"), std::string::npos) << why << ": " << msg;
+      for (const auto& [op, run] : {std::pair{"dot_attention_backward", std::function<void()>(grads)},
+                                    std::pair{"dot_attention_block_backward", std::function<void()>(block_grads)}}) {
+        msg = testing::error_of(run);
+        EXPECT_EQ(msg.rfind("[" + std::string(op) + "] no forced kernel can compute this call's gradients", 0), 0u)
+            << why << ": " << msg;
+        EXPECT_NE(msg.find(kernel + ": has no backward pass of its own"), std::string::npos) << why << ": " << msg;
+      }
+      ++ran;
+    }
+  }
+  if (ran == 0) GTEST_SKIP() << "no backend with cpu_flash";
+}
+
 TEST(Blocks, BadInputIsAnError) {
   if (!has_backend("eigen")) GTEST_SKIP();
   const TensorOptions eo{.backend = "eigen"};
@@ -208,7 +283,7 @@ TEST(Blocks, BadInputIsAnError) {
   EXPECT_NE(msg.find("causal_query_spatial_dim or query_position_dim"), std::string::npos) << msg;
   msg = testing::error_of([&] {
     AttentionOptions o{.key_dim = feat, .axis = time, .query_position_dim = time};
-    o.sinks = from_host({heads}, {0.1, 0.2}, eo);
+    o.variants.sinks = from_host({heads}, {0.1, 0.2}, eo);
     dot_attention_block(x, x, x, o);
   });
   EXPECT_EQ(msg.rfind("[dot_attention_block]", 0), 0u) << msg;

@@ -213,16 +213,16 @@ void add_cpu_cases(std::vector<AttentionCase>& out) {
     // Variants (docs/api.md): windows, soft-capping, ALiBi, sinks, and all
     // of them with GQA, offsets, padding and dropout.
     out.push_back({.name = "window_causal" + s, .dtype = dt, .kind = Kind::self, .seq_q = 9, .seq_k = 9,
-                   .causal = true, .variants = {.window_left = 3}});
+                   .causal = true, .variants = {.scalars = {.window = AttentionWindow{3, {}}}}});
     out.push_back({.name = "window_two_sided_offsets" + s, .dtype = dt, .seq_q = 5, .seq_k = 9, .offsets = {2, 4},
-                   .variants = {.window_left = 2, .window_right = 1}});
-    out.push_back({.name = "softcap" + s, .dtype = dt, .scale = 1.0, .variants = {.softcap = 1.5}});
+                   .variants = {.scalars = {.window = AttentionWindow{2, 1}}}});
+    out.push_back({.name = "softcap" + s, .dtype = dt, .scale = 1.0, .variants = {.scalars = {.softcap = 1.5}}});
     out.push_back({.name = "alibi_causal" + s, .dtype = dt, .kind = Kind::self, .seq_q = 9, .seq_k = 9,
                    .causal = true, .variants = {.alibi = true}});
     out.push_back({.name = "sinks_empty_entry" + s, .dtype = dt, .lengths = {7, 0}, .variants = {.sinks = true}});
     out.push_back({.name = "variants_gqa_dropout" + s, .dtype = dt, .groups = 2, .seq_q = 4, .seq_k = 9,
                    .causal = true, .lengths = {9, 6}, .offsets = {5, 2}, .dropout = 0.25,
-                   .variants = {.window_left = 4, .softcap = 2.0, .alibi = true, .sinks = true}});
+                   .variants = {.scalars = {.window = AttentionWindow{4, {}}, .softcap = 2.0}, .alibi = true, .sinks = true}});
     // Bias and masks over named dims: T5-style {heads, Tq, Tk}; one {Tq, Tk}
     // plane shared by every head and query group (d(bias) summed over them);
     // per-kv-position bias and mask (key padding) in causal self-attention;
@@ -240,7 +240,7 @@ void add_cpu_cases(std::vector<AttentionCase>& out) {
                    .variants = {.bias = "bhk", .mask = "hk"}});
     out.push_back({.name = "all_variants" + s, .dtype = dt, .groups = 2, .seq_q = 4, .seq_k = 9, .causal = true,
                    .lengths = {9, 6}, .offsets = {5, 2}, .dropout = 0.25,
-                   .variants = {.window_left = 4, .softcap = 2.0, .alibi = true, .sinks = true, .bias = "htk",
+                   .variants = {.scalars = {.window = AttentionWindow{4, {}}, .softcap = 2.0}, .alibi = true, .sinks = true, .bias = "htk",
                                 .mask = "tk"}});
   }
   out.push_back({.name = "t1", .seq_q = 1, .seq_k = 1});
@@ -292,7 +292,7 @@ void add_cuda_cases(std::vector<AttentionCase>& out) {
       c = base, c.lengths = {120, 9}, c.dropout = 0.5, c.broadcast_dropout = true;
       out.push_back(with(c, "broadcast_dropout"));
       c = base, c.kind = Kind::self, c.groups = 2, c.seq_q = 130, c.causal = true, c.lengths = {130, 97},
-      c.dropout = 0.2, c.variants = {.window_left = 50, .softcap = 3.0, .alibi = true, .sinks = true};
+      c.dropout = 0.2, c.variants = {.scalars = {.window = AttentionWindow{50, {}}, .softcap = 3.0}, .alibi = true, .sinks = true};
       out.push_back(with(c, "variants_gqa_dropout"));
       c = base, c.groups = 2, c.causal = true, c.offsets = {30, 5}, c.lengths = {130, 70}, c.dropout = 0.1,
       c.variants = {.bias = "htk", .mask = "btk"};
@@ -344,7 +344,7 @@ Operands on_backend(Operands ops, const std::string& backend) {
     for (Tensor* t : {&ops.q, &ops.k, &ops.v}) *t = to_backend(*t, backend);
   }
   for (std::optional<Tensor>* t :
-       {&ops.opts.causal_offset, &ops.opts.alibi_slopes, &ops.opts.sinks, &ops.opts.bias, &ops.opts.mask})
+       {&ops.opts.causal_offset, &ops.opts.variants.alibi_slopes, &ops.opts.variants.sinks, &ops.opts.variants.bias, &ops.opts.variants.mask})
     if (*t) **t = to_backend(**t, backend);
   return ops;
 }
@@ -353,8 +353,8 @@ Operands on_backend(Operands ops, const std::string& backend) {
 // tensors the case has (sinks, bias).
 std::vector<std::string> grad_names(const Operands& ops) {
   std::vector<std::string> n = {"q", "k", "v"};
-  if (ops.opts.sinks) n.push_back("sinks");
-  if (ops.opts.bias) n.push_back("bias");
+  if (ops.opts.variants.sinks) n.push_back("sinks");
+  if (ops.opts.variants.bias) n.push_back("bias");
   return n;
 }
 
@@ -375,8 +375,8 @@ RunResult run(Operands ops, const std::string& force) {
   const bool grad = ops.q.backend().has_autograd();
   // Packed operands: the buffer is the leaf, q, k and v stay its views.
   std::vector<Tensor*> leaves = ops.buffer ? std::vector<Tensor*>{&*ops.buffer} : std::vector<Tensor*>{&ops.q, &ops.k, &ops.v};
-  if (ops.opts.sinks) leaves.push_back(&*ops.opts.sinks);
-  if (ops.opts.bias) leaves.push_back(&*ops.opts.bias);
+  if (ops.opts.variants.sinks) leaves.push_back(&*ops.opts.variants.sinks);
+  if (ops.opts.variants.bias) leaves.push_back(&*ops.opts.variants.bias);
   if (grad) {
     for (Tensor* t : leaves) *t = fresh_leaf(*t).requires_grad(true);
     if (ops.buffer) repack(ops);

@@ -240,26 +240,26 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       const Dims& from = in.ConsumeBool() && !qd.empty() ? qd : pool;
       o.query_position_dim = from[in.ConsumeIntegralInRange<size_t>(0, from.size() - 1)];
     }
-    if (variants & 2) o.window = AttentionWindow{maybe_bound(), maybe_bound()};
+    if (variants & 2) o.variants.window = AttentionWindow{maybe_bound(), maybe_bound()};
     static const double kSoftcaps[] = {2.0, 0.5, 30.0, 0.0, -1.0, NAN, INFINITY, 1e-30};
-    if (variants & 4) o.softcap = kSoftcaps[in.ConsumeIntegralInRange<int>(0, 7)];
-    if (variants & 8) o.alibi_slopes = per_head();
+    if (variants & 4) o.variants.softcap = kSoftcaps[in.ConsumeIntegralInRange<int>(0, 7)];
+    if (variants & 8) o.variants.alibi_slopes = per_head();
     if (variants & 16) {
       if (in.ConsumeBool())
-        o.sink_off_by_one = true;
+        o.variants.sink_off_by_one = true;
       else
-        o.sinks = per_head();
+        o.variants.sinks = per_head();
     }
     if (variants & 32) {  // mostly float32 or the call's dtype; sometimes bool (bad)
       const Dims dims = some_dims(2);
       const int kind = in.ConsumeIntegralInRange<int>(0, 7);
-      o.bias = kind == 7 ? compare(testing::random_operand(dims, 13, DType::float32, be), Compare::gt, 0.0)
+      o.variants.bias = kind == 7 ? compare(testing::random_operand(dims, 13, DType::float32, be), Compare::gt, 0.0)
                          : testing::random_operand(dims, 13, kind < 4 ? dt : DType::float32, be);
     }
     if (variants & 64) {  // true with probability 3/4; sometimes float (bad)
       const Dims dims = some_dims(2);
       const Tensor u = testing::random_operand(dims, 14, DType::float32, be);
-      o.mask = in.ConsumeIntegralInRange<int>(0, 7) == 7 ? u : compare(u, Compare::gt, -0.67);
+      o.variants.mask = in.ConsumeIntegralInRange<int>(0, 7) == 7 ? u : compare(u, Compare::gt, -0.67);
     }
     if (variants & 128)
       o.positions = AttentionPositions{in.ConsumeIntegralInRange<int64_t>(-1, 40),
@@ -275,13 +275,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                      std::to_string(mode) + " low_limit " + std::to_string(low_limit) + " variants " +
                      std::to_string(variants) + " position " +
                      (o.query_position_dim ? o.query_position_dim->repr() : "-") + " window " +
-                     (o.window ? std::to_string(o.window->left.value_or(-99)) + "," +
-                                     std::to_string(o.window->right.value_or(-99))
+                     (o.variants.window ? std::to_string(o.variants.window->left.value_or(-99)) + "," +
+                                     std::to_string(o.variants.window->right.value_or(-99))
                                : "-") +
-                     " softcap " + (o.softcap ? std::to_string(*o.softcap) : "-") + " alibi " +
-                     (o.alibi_slopes ? o.alibi_slopes->repr() : "-") + " sinks " +
-                     (o.sinks ? o.sinks->repr() : o.sink_off_by_one ? "off-by-one" : "-") + " bias " +
-                     (o.bias ? o.bias->repr() : "-") + " mask " + (o.mask ? o.mask->repr() : "-") + " positions " +
+                     " softcap " + (o.variants.softcap ? std::to_string(*o.variants.softcap) : "-") + " alibi " +
+                     (o.variants.alibi_slopes ? o.variants.alibi_slopes->repr() : "-") + " sinks " +
+                     (o.variants.sinks ? o.variants.sinks->repr() : o.variants.sink_off_by_one ? "off-by-one" : "-") + " bias " +
+                     (o.variants.bias ? o.variants.bias->repr() : "-") + " mask " + (o.variants.mask ? o.variants.mask->repr() : "-") + " positions " +
                      (o.positions ? std::to_string(o.positions->query) + "," + std::to_string(o.positions->kv) : "-");
     };
 
@@ -360,11 +360,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (o.axis.is_dynamic()) hlen.emplace(o.axis.lengths());
     if (o.causal_offset) hoff.emplace(*o.causal_offset);
     std::optional<Host> hslopes, hsinks;
-    if (o.alibi_slopes) hslopes.emplace(*o.alibi_slopes);
-    if (o.sinks) hsinks.emplace(*o.sinks);
+    if (o.variants.alibi_slopes) hslopes.emplace(*o.variants.alibi_slopes);
+    if (o.variants.sinks) hsinks.emplace(*o.variants.sinks);
     std::optional<Host> hbias, hmask;  // over the kv position as `axis`
-    if (o.bias) hbias.emplace(*o.bias);
-    if (o.mask) hmask.emplace(cast(*o.mask, DType::float32));
+    if (o.variants.bias) hbias.emplace(*o.variants.bias);
+    if (o.variants.mask) hmask.emplace(cast(*o.variants.mask, DType::float32));
     const std::optional<Dim> position = o.causal_query_spatial_dim ? o.causal_query_spatial_dim : o.query_position_dim;
     const int64_t nk = o.axis.extent(), nd = o.key_dim.extent();
     const double tol = dt == DType::float64 ? 1e-9 : dt == DType::float32 ? 2e-4 : 5e-2;
@@ -389,8 +389,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       std::vector<int64_t> js;
       for (int64_t j = 0; j < nk; ++j) {
         if (j >= len || (o.causal_query_spatial_dim && j > diag)) continue;
-        if (o.window && o.window->left && j < diag - *o.window->left) continue;
-        if (o.window && o.window->right && j > diag + *o.window->right) continue;
+        if (o.variants.window && o.variants.window->left && j < diag - *o.variants.window->left) continue;
+        if (o.variants.window && o.variants.window->right && j > diag + *o.variants.window->right) continue;
         std::map<Dim, int64_t> qi = idx, ki = idx;
         ki[o.axis] = j;
         if (hmask && hmask->at(ki) == 0) continue;
@@ -400,14 +400,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           s += hq.at(qi) * hk.at(ki);
         }
         s *= scale;
-        if (o.softcap) s = *o.softcap * std::tanh(s / *o.softcap);
+        if (o.variants.softcap) s = *o.variants.softcap * std::tanh(s / *o.variants.softcap);
         if (hbias) s += hbias->at(ki);
         if (hslopes) s -= hslopes->at(idx) * static_cast<double>(std::abs(diag - j));
         e.push_back(s);
         js.push_back(j);
       }
       double want = 0;
-      const bool sink = hsinks || o.sink_off_by_one;
+      const bool sink = hsinks || o.variants.sink_off_by_one;
       if (!e.empty()) {
         const double sink_logit = hsinks ? hsinks->at(idx) : 0.0;
         const double mx = std::max(*std::max_element(e.begin(), e.end()), sink ? sink_logit : -INFINITY);

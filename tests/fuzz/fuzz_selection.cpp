@@ -70,9 +70,23 @@ void set_field(AttentionParams& p, int f, FuzzedDataProvider& in) {
   }
 }
 
+struct Candidate {
+  std::string name;
+  std::function<GateResult(const AttentionParams&)> gate;
+};
+
+// The same candidates on every device (their gates read the device, as the
+// real backends' tables list each device's own).
+KernelTable on_every_device(const std::vector<Candidate>& candidates) {
+  KernelTable t;
+  for (const DeviceType device : {DeviceType::cpu, DeviceType::cuda})
+    for (const Candidate& c : candidates) t.push_back({.name = c.name, .device = device, .gate = c.gate});
+  return t;
+}
+
 // Candidates whose gates read many fields, as the real backends' do.
-const std::vector<KernelCandidate>& candidates(int which) {
-  static const std::vector<KernelCandidate> a = {
+const KernelTable& candidates(int which) {
+  static const KernelTable a = on_every_device({
       {"cpu_flash",
        [](const AttentionParams& p) {
          if (p.device != DeviceType::cpu) return GateResult::fail("cpu only");
@@ -93,8 +107,8 @@ const std::vector<KernelCandidate>& candidates(int which) {
          if (p.requires_grad && p.deterministic) return GateResult::fail("deterministic");
          return GateResult::pass();
        }},
-      {"reference", [](const AttentionParams&) { return GateResult::pass(); }}};
-  static const std::vector<KernelCandidate> b = {
+      {"reference", [](const AttentionParams&) { return GateResult::pass(); }}});
+  static const KernelTable b = on_every_device({
       {"cuda_flash",
        [](const AttentionParams& p) {
          if (p.device != DeviceType::cuda) return GateResult::fail("cuda only");
@@ -102,7 +116,7 @@ const std::vector<KernelCandidate>& candidates(int which) {
          if (p.keys_only) return GateResult::fail("keys only");
          return GateResult::pass();
        }},
-      {"reference", [](const AttentionParams&) { return GateResult::pass(); }}};
+      {"reference", [](const AttentionParams&) { return GateResult::pass(); }}});
   return which == 0 ? a : b;
 }
 
@@ -111,10 +125,10 @@ struct Fresh {
   bool ok;
   std::string kernel;
 };
-Fresh decide_fresh(const AttentionParams& p, const std::vector<KernelCandidate>& cands) {
+Fresh decide_fresh(const AttentionParams& p, const KernelTable& table) {
   const KernelForce force = parse_kernel_force(p.forced);
-  for (const auto& c : cands)
-    if (force.allows(c.name) && c.gate(p).ok) return {true, c.name};
+  for (const KernelEntry& e : table)
+    if (e.device == p.device && force.allows(e.name) && e.gate(p).ok) return {true, e.name};
   return {false, ""};
 }
 
@@ -132,8 +146,8 @@ class NamesOnlyBackend final : public Backend {
     static const KernelTable table = [] {
       KernelTable t;
       for (int which : {0, 1})
-        for (const KernelCandidate& c : candidates(which))
-          t.push_back({c.name, which == 0 ? DeviceType::cpu : DeviceType::cuda, c.gate, {}, {}});
+        for (const KernelEntry& e : candidates(which))
+          if (e.device == (which == 0 ? DeviceType::cpu : DeviceType::cuda)) t.push_back(e);
       return t;
     }();
     return table;
@@ -174,13 +188,13 @@ void check_select(const std::string& backend, int which, const AttentionParams& 
   const bool is_new = !decided_keys().count(key);
   std::string got;
   try {
-    got = select_kernel(backend, p, candidates(which)).kernel;
+    got = select_kernel(backend, p, candidates(which), KernelUse::run).kernel;
   } catch (const Error& e) {
     if (want.ok) fail(std::string("select_kernel threw, a fresh decision picks ") + want.kernel + ": " + e.what(), p, p);
     const std::string msg = e.what();
-    for (const auto& c : candidates(which))
-      if (msg.find("\n  " + c.name + ": ") == std::string::npos)
-        fail("the no-kernel error does not list candidate " + c.name + ": " + msg, p, p);
+    for (const KernelEntry& e : candidates(which))
+      if (e.device == p.device && msg.find("\n  " + e.name + ": ") == std::string::npos)
+        fail("the no-kernel error does not list candidate " + e.name + ": " + msg, p, p);
   }
   if (want.ok && got != want.kernel) fail("cached decision " + got + " differs from the fresh " + want.kernel, p, p);
   const SelectionStats after = selection_stats();

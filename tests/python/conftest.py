@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import dimattn as da
-from dimattn._attention import _encode, _out_dims
+from dimattn._attention import op_arguments
 
 
 def named(dims, seed=0, dtype=torch.float32, requires_grad=False):
@@ -38,15 +38,11 @@ def masked_attention(q, k, v, mask, scale=None):
 def opcheck_call(q, k, v, kwargs, aux_inputs=()):
     """torch.library.opcheck of the dot_attention op on the call that ``dot_attention(q,
     k, v, **kwargs)`` makes (no dropout); each of the dimattn.Tensors ``aux_inputs``
-    must reach the op as an aux tensor."""
-    kw = dict(kwargs)
-    key_dim, axis = kw.pop("key_dim"), kw.pop("axis")
-    causal, offset = kw.pop("causal_query_spatial_dim", None), kw.pop("causal_offset", None)
-    out_dims = _out_dims(q, k, v, key_dim, axis)
-    spec, aux = _encode(q, k, v, key_dim, axis, 0.0, False, causal, offset, None, False, out_dims, **kw)
+    must reach the op as a tensor argument."""
+    op, args, op_kwargs = op_arguments(q, k, v, **kwargs)
     for t in aux_inputs:
-        assert any(a is t.raw for a in aux)
-    torch.library.opcheck(torch.ops.dimattn.dot_attention.default, (q.raw, k.raw, v.raw, aux, spec))
+        assert any(a is t.raw for a in args)
+    torch.library.opcheck(op, args, op_kwargs)
 
 
 def check_compiled_like_eager(layer, inputs, params, backend):

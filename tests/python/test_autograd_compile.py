@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import dimattn as da
-from dimattn._attention import _encode, _out_dims
+from dimattn._attention import op_arguments
+from dimattn._call import ARGUMENT_NAMES
 from conftest import named
 
 B, H, T, D = 2, 2, 5, 4
@@ -63,17 +64,18 @@ def test_gradients_with_dropout_match_between_kernels(kernel):
 def test_opcheck(name):
     q, k, v, feat, kv, time = case(torch.float32)
     o = OPTIONS[name]
-    out_dims = _out_dims(q, k, v, feat, kv)
-    spec, aux = _encode(q, k, v, feat, kv, 0.0, False, time if o.get("causal") else None,
-                        0 if o.get("offset") else None, o.get("scale"), False, out_dims)
-    torch.library.opcheck(torch.ops.dimattn.dot_attention.default, (q.raw, k.raw, v.raw, aux, spec))
+    op, args, kwargs = op_arguments(q, k, v, key_dim=feat, axis=kv, causal_offset=0 if o.get("offset") else None,
+                                    causal_query_spatial_dim=time if o.get("causal") else None, scale=o.get("scale"))
+    torch.library.opcheck(op, args, kwargs)
 
 
 def test_opcheck_with_dropout_seed():
     q, k, v, feat, kv, time = case(torch.float32)
-    spec, aux = _encode(q, k, v, feat, kv, 0.25, True, None, None, None, True, _out_dims(q, k, v, feat, kv))
-    assert len(aux) == 2  # the lengths and the seed
-    torch.library.opcheck(torch.ops.dimattn.dot_attention.default, (q.raw, k.raw, v.raw, aux, spec))
+    op, args, kwargs = op_arguments(q, k, v, key_dim=feat, axis=kv, att_dropout=0.25, att_dropout_broadcast=True,
+                                    train=True)
+    named = dict(zip(("query", "keys", "values", *ARGUMENT_NAMES), args))
+    assert named["seed"].dim() == 0 and len(named["lengths"]) == 1  # the seed and the kv lengths
+    torch.library.opcheck(op, args, kwargs)
 
 
 class Block(torch.nn.Module):

@@ -74,6 +74,21 @@ def test_force_and_explain():
         da.force("no_such")
 
 
+def test_force_takes_a_list_and_explain_is_structured():
+    q, k, v, batch, heads, time, feat, vfeat = operands()
+    with da.force(["aten_flash_cpu", "reference"]):
+        d = da.explain(q, k, v, key_dim=feat, axis=time, att_dropout=0.1, train=True)
+        # The forcing reaches a call as a list too: the kernel is the one explain names.
+        with da.trace(capture_tensors=False) as t:
+            da.dot_attention(q, k, v, key_dim=feat, axis=time, att_dropout=0.1, train=True)
+    assert t.records[0].kernel == d.kernel == "reference"
+    assert isinstance(d.rejected, list) and all(isinstance(r, da.Rejection) for r in d.rejected)
+    reasons = {r.kernel: r.reason for r in d.rejected}
+    assert list(reasons)[:2] == ["cpu_flash", "aten_flash_cpu"] and "dropout" in reasons["aten_flash_cpu"]
+    with pytest.raises(da.Error, match=r"unknown kernel no_such.*known: auto, reference"):
+        da.force(["cpu_flash", "no_such"])
+
+
 def test_forced_kernel_that_cannot_run_is_an_error():
     q, k, v, batch, heads, time, feat, vfeat = operands()
     with da.force("aten_flash_cpu"), pytest.raises(da.Error, match="aten_flash_cpu.*dropout"):

@@ -2,6 +2,7 @@
 mask): against the forced reference path and a plain torch implementation,
 gradcheck including the sinks and the bias (summed over the dims it is broadcast
 along), opcheck, torch.compile, repeated calls, and bad input."""
+import dataclasses
 import math
 
 import pytest
@@ -354,12 +355,36 @@ def test_bad_variant_input_names_the_option():
         call(bias=named([case.heads, other], 6))
     with pytest.raises(da.Error, match=r"mask \(batch\[2\], feat\[4\]\) has dim feat\[4\].*feature dims never"):
         call(mask=da.Tensor(torch.ones(B, D, dtype=torch.bool), [case.batch, case.feat]))
-    with pytest.raises(da.Error, match=r"\[dot_attention\] bias must be a float dimattn.Tensor"):
+    with pytest.raises(da.Error, match=r"\[dot_attention\] bias must be a dimattn.Tensor over dims of the call, got "
+                                       r"torch.Tensor"):
         call(bias=torch.zeros(H))
-    with pytest.raises(da.Error, match=r"\[dot_attention\] mask must be a bool dimattn.Tensor"):
+    with pytest.raises(da.Error, match=r"\[dot_attention\] mask must be a dimattn.Tensor over dims of the call, got "
+                                       r"builtins.list"):
         call(mask=[True, False])
     with pytest.raises(da.Error, match=r"mask must be a bool tensor"):
         da.explain(case.q, case.k, case.v, **{**kw, "mask": da.Tensor(mask.raw.float(), mask.dims)})
+
+
+def test_variants_value_is_the_library_s_fields_and_equals_the_keywords():
+    # da.Variants has exactly the C++ AttentionVariants' fields, in order.
+    fields = [f.split(":")[0] for f in torch.ops.dimattn.variant_fields()]
+    assert [f.name for f in dataclasses.fields(da.Variants)] == fields
+    assert fields[:2] == ["window", "softcap"] and "bias" in fields and "mask" in fields
+    case = Case("all", torch.float64)
+    kw = dict(case.kwargs)
+    variants = da.Variants(**{name: kw.pop(name) for name in fields})
+    whole = da.dot_attention(case.q, case.k, case.v, variants=variants, **kw)
+    one_by_one = da.dot_attention(case.q, case.k, case.v, variants=da.Variants(), **case.kwargs)
+    assert whole.dims == one_by_one.dims and torch.equal(whole.raw, one_by_one.raw)
+    # A keyword is set on the value passed whole.
+    softer = da.dot_attention(case.q, case.k, case.v, variants=variants, softcap=0.5, **kw)
+    assert not torch.equal(softer.raw, whole.raw)
+    assert torch.equal(softer.raw, da.dot_attention(case.q, case.k, case.v, variants=dataclasses.replace(
+        variants, softcap=0.5), **kw).raw)
+    with pytest.raises(da.Error, match=r"unknown option softcapp; the variants are window, softcap"):
+        da.dot_attention(case.q, case.k, case.v, softcapp=1.0, **kw)
+    with pytest.raises(da.Error, match=r"variants must be a dimattn.Variants, got dict"):
+        da.dot_attention(case.q, case.k, case.v, variants={"softcap": 1.0}, **kw)
 
 
 @pytest.mark.parametrize("learning", ["sinks", "bias"])

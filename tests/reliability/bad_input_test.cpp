@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "dimattn/attention.h"
+#include "dimattn/context_parallel.h"
 #include "dimattn/ext/backend.h"
 #include "dimattn/forcing.h"
 #include "dimattn/ext/backend.h"
@@ -91,9 +92,10 @@ struct Ex {
 
 struct ErrorCase {
   std::function<void(const Ex&)> run;
-  // "" always runs; "two_backends", "cuda", "torch": skipped when the build lacks them;
-  // "cuda_flash": skipped when no built backend's kernel table has cuda_flash
-  // (forcing knows the kernels of the built backends only).
+  // "" always runs; "two_backends", "cuda": skipped when the build lacks them;
+  // a kernel's name ("cuda_flash", "aten_math"): skipped when no built
+  // backend's kernel table has it (forcing knows the kernels of the built
+  // backends only).
   std::string needs;
 };
 
@@ -203,26 +205,26 @@ const std::map<std::string, ErrorCase>& error_cases() {
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
           o.query_position_dim = e.time;
-          o.window = AttentionWindow{-2, std::nullopt};
+          o.variants.window = AttentionWindow{-2, std::nullopt};
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"window_empty",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
           o.query_position_dim = e.time;
-          o.window = AttentionWindow{};
+          o.variants.window = AttentionWindow{};
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"window_without_position",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.window = AttentionWindow{2, 2};
+          o.variants.window = AttentionWindow{2, 2};
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"alibi_without_position",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.alibi_slopes = from_host({e.batch}, {0.5, 0.25}, e.f32);
+          o.variants.alibi_slopes = from_host({e.batch}, {0.5, 0.25}, e.f32);
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"window_right_with_causal",
@@ -230,7 +232,7 @@ const std::map<std::string, ErrorCase>& error_cases() {
           AttentionOptions o = e.opts();
           o.causal_query_spatial_dim = e.time;
           o.causal_offset = e.lens({2, 2});
-          o.window = AttentionWindow{2, 1};
+          o.variants.window = AttentionWindow{2, 1};
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"position_dim_not_query_only",
@@ -251,62 +253,62 @@ const std::map<std::string, ErrorCase>& error_cases() {
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
           o.query_position_dim = e.time;
-          o.alibi_slopes = from_host({e.time}, {0.5, 0.25, 0.1}, e.f32);
+          o.variants.alibi_slopes = from_host({e.time}, {0.5, 0.25, 0.1}, e.f32);
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"sinks_foreign_dim",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.sinks = from_host({Dim("other", 3)}, {0, 0, 0}, e.f32);
+          o.variants.sinks = from_host({Dim("other", 3)}, {0, 0, 0}, e.f32);
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"sinks_not_float",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.sinks = from_host({e.batch}, {0, 0}, e.i64);
+          o.variants.sinks = from_host({e.batch}, {0, 0}, e.i64);
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"softcap_not_positive",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.softcap = 0.0;
+          o.variants.softcap = 0.0;
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"sinks_and_off_by_one",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.sinks = from_host({e.batch}, {0, 0}, e.f32);
-          o.sink_off_by_one = true;
+          o.variants.sinks = from_host({e.batch}, {0, 0}, e.f32);
+          o.variants.sink_off_by_one = true;
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"bias_foreign_dim",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.bias = from_host({e.batch, Dim("other", 3)}, {0, 0, 0, 0, 0, 0}, e.f32);
+          o.variants.bias = from_host({e.batch, Dim("other", 3)}, {0, 0, 0, 0, 0, 0}, e.f32);
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"bias_over_feature",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.bias = from_host({e.feat}, {0, 0, 0, 0}, e.f32);
+          o.variants.bias = from_host({e.feat}, {0, 0, 0, 0}, e.f32);
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"bias_not_float",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.bias = from_host({e.batch}, {0, 0}, e.i64);
+          o.variants.bias = from_host({e.batch}, {0, 0}, e.i64);
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"mask_not_bool",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.mask = from_host({e.enc}, {1, 1, 1, 0, 0}, e.f32);
+          o.variants.mask = from_host({e.enc}, {1, 1, 1, 0, 0}, e.f32);
           dot_attention(e.q, e.k, e.v, o);
         }}},
       {"mask_foreign_dim",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.mask = compare(from_host({Dim("other", 2)}, {1, 0}, e.f32), Compare::gt, 0.5);
+          o.variants.mask = compare(from_host({Dim("other", 2)}, {1, 0}, e.f32), Compare::gt, 0.5);
           dot_attention(e.q, e.k, e.v, o);
         }}},
       // --- blocks of a longer sequence ---
@@ -326,30 +328,31 @@ const std::map<std::string, ErrorCase>& error_cases() {
       {"block_with_sinks",
        {[](const Ex& e) {
           AttentionOptions o = e.opts();
-          o.sinks = from_host({e.batch}, {0.5, 0.5}, e.f32);
+          o.variants.sinks = from_host({e.batch}, {0.5, 0.5}, e.f32);
           dot_attention_block(e.q, e.k, e.v, o);
         }}},
       {"context_parallel_unknown_group",
        {[](const Ex& e) {
-          dot_attention(e.q, e.q, e.q, {.key_dim = e.feat, .axis = e.time, .context_parallel = ContextParallel{"nope"}});
+          context_parallel_attention(e.q, e.q, e.q, {.key_dim = e.feat, .axis = e.time}, ContextParallel{"nope"});
         }}},
       {"context_parallel_cross_attention",
+       {[](const Ex& e) { context_parallel_attention(e.q, e.k, e.v, e.opts(), ContextParallel{"0"}); }}},
+      {"context_parallel_position_not_axis",
        {[](const Ex& e) {
-          AttentionOptions o = e.opts();
-          o.context_parallel = ContextParallel{"0"};
-          dot_attention(e.q, e.k, e.v, o);
+          context_parallel_attention(e.q, e.q, e.q, {.key_dim = e.feat, .axis = e.time, .query_position_dim = e.batch},
+                                     ContextParallel{"0"});
         }}},
       {"context_parallel_with_mask",
        {[](const Ex& e) {
-          dot_attention(e.q, e.q, e.q,
-                        {.key_dim = e.feat,
-                         .axis = e.time,
-                         .mask = compare(e.lens({1, 2}), Compare::gt, 0.0),
-                         .context_parallel = ContextParallel{"0"}});
+          context_parallel_attention(
+              e.q, e.q, e.q,
+              {.key_dim = e.feat, .axis = e.time, .variants = {.mask = compare(e.lens({1, 2}), Compare::gt, 0.0)}},
+              ContextParallel{"0"});
         }}},
-      {"context_parallel_explain",
+      {"context_parallel_lengths_not_integer",
        {[](const Ex& e) {
-          explain_attention(e.q, e.q, e.q, {.key_dim = e.feat, .axis = e.time, .context_parallel = ContextParallel{"0"}});
+          context_parallel_attention(e.q, e.q, e.q, {.key_dim = e.feat, .axis = e.time},
+                                     ContextParallel{.group = "0", .lengths = e.lens({3, 2}, DType::float32)});
         }}},
       {"causal_offset_not_integer",
        {[](const Ex& e) {
@@ -385,6 +388,20 @@ const std::map<std::string, ErrorCase>& error_cases() {
           dot_attention(e.q, e.k, e.v, e.opts());
         },
         "cuda_flash"}},
+      {"block_forced_reference",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.query_position_dim = e.time;
+          ForceKernels force("reference");
+          dot_attention_block(e.q, e.k, e.v, o);
+        }}},
+      {"backward_forced_aten_math",
+       {[](const Ex& e) {
+          const Tensor dout = zeros({e.batch, e.time, e.vfeat}, e.f32);
+          ForceKernels force("aten_math");
+          dot_attention_backward(e.q, e.k, e.v, e.opts(), dout);
+        },
+        "aten_math"}},
       {"forced_unknown_kernel", {[](const Ex&) { ForceKernels force("flash"); }}},
       {"capturing_trace_with_forced_kernel",
        {[](const Ex& e) {
@@ -415,10 +432,10 @@ TEST_P(Errors, MessageBeginsAsDocumented) {
   const ErrorCase& c = error_cases().at(id);
   if (c.needs == "two_backends" && backend_names().size() < 2) GTEST_SKIP() << "needs two backends";
   if (c.needs == "cuda" && !get_backend(be).supports(kCUDA)) GTEST_SKIP() << "needs CUDA";
-  if (c.needs == "cuda_flash") {
+  if (!c.needs.empty() && c.needs != "two_backends" && c.needs != "cuda") {
     const std::vector<std::string> known = all_kernel_names();
-    if (std::find(known.begin(), known.end(), "cuda_flash") == known.end())
-      GTEST_SKIP() << "no built backend has cuda_flash (built without the torch backend)";
+    if (std::find(known.begin(), known.end(), c.needs) == known.end())
+      GTEST_SKIP() << "no built backend has " << c.needs << " (built without the torch backend)";
   }
   const std::string want = doc_message("Errors", id);
   ASSERT_FALSE(want.empty()) << "docs/errors.md has no row `" << id << "`";

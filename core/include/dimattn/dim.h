@@ -60,5 +60,9 @@ using Dims = std::vector<Dim>;
 std::string repr(const Dims& dims);
 bool contains(const Dims& dims, const Dim& d);
 int index_of(const Dims& dims, const Dim& d);  // -1 when absent
+// The extents of dims, in order (the shape of a tensor over them).
+std::vector<int64_t> extents(const Dims& dims);
+// The product of their extents (elements of a tensor over them).
+int64_t product(const Dims& dims);
 
 }  // namespace dimattn

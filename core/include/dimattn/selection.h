@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "dimattn/ext/attention_call.h"
 #include "dimattn/dtype.h"
+#include "dimattn/variants.h"
 
 namespace dimattn {
 
@@ -43,7 +43,7 @@ struct AttentionParams {
   bool padding = false;      // dynamic kv lengths to mask
   int64_t gqa_ratio = 1;     // query rows per kv head from query groups (GQA, beam); 1 without groups
   bool keys_only = false;    // keys/values carry dims the query lacks (broadcast)
-  // Variants present (AttentionCall::variants(); their sizes and values never
+  // Variants present (AttentionCall::variants.set(); their sizes and values never
   // matter to the choice; sinks_grad and bias_grad matter to autograd backends).
   VariantSet variants;
   LayoutClass layout = LayoutClass::separate;
@@ -66,11 +66,6 @@ struct GateResult {
   static GateResult fail(std::string why) { return {false, std::move(why)}; }
 };
 
-struct KernelCandidate {
-  std::string name;
-  std::function<GateResult(const AttentionParams&)> gate;
-};
-
 // The name of dot_attention's reference path among the kernel names.
 inline constexpr const char* kReferenceKernel = "reference";
 
@@ -87,13 +82,6 @@ struct Decision {
   std::string explain() const;      // multi-line, for logs, `dimattn explain` and errors
 };
 
-// Decides among `candidates` (priority order; the last must be "reference",
-// whose gate always passes). Honours params.forced: a forced list keeps only
-// its kernels; when none of them can run, throws dimattn::Error listing the
-// reasons. Cached per (backend, params).
-Decision select_kernel(const std::string& backend, const AttentionParams& params,
-                       const std::vector<KernelCandidate>& candidates);
-
 struct SelectionStats {
   uint64_t lookups = 0;        // select_kernel calls
   uint64_t selections = 0;     // cache misses: gates actually evaluated
@@ -102,11 +90,5 @@ struct SelectionStats {
 };
 SelectionStats selection_stats();
 void reset_selection_cache();  // clears entries and counters (tests, benchmarks)
-
-// The roles of a call as AttentionParams, with the given layout class (the
-// backend detects it) and the current forcing and determinism settings.
-// (Calls under a capturing TraceScope never get here: dot_attention runs the
-// reference path for them itself.)
-AttentionParams attention_params(const AttentionCall& call, LayoutClass layout, bool requires_grad);
 
 }  // namespace dimattn

@@ -22,26 +22,17 @@
 //   gives output 0 and weights 0, never NaN.
 // - Dropout acts only while the train flag is on (run_context.h).
 // - Variants (sliding window, soft-capping, ALiBi, sinks, bias, mask) follow a
-//   fixed order (docs/numerics.md): scale -> softcap -> + bias + ALiBi -> masks
+//   fixed order (docs/numerics.md): scale -> soft-capping -> + bias + ALiBi -> masks
 //   (padding, causal, window, mask) -> softmax with sinks -> dropout -> . values.
+#include <cstdint>
 #include <optional>
-#include <string>
-#include <utility>
-#include <vector>
 
 #include "dimattn/dim.h"
 #include "dimattn/selection.h"
 #include "dimattn/tensor.h"
+#include "dimattn/variants.h"
 
 namespace dimattn {
-
-// A sliding window in kv positions around each query row's diagonal
-// i + causal_offset: row i attends kv j with
-// i + offset - left <= j <= i + offset + right. An unset side is unbounded;
-// with causal attention `right` must be unset or 0.
-struct AttentionWindow {
-  std::optional<int64_t> left, right;
-};
 
 // Where a call lies in a longer sequence when it computes one block of it
 // (context parallelism, docs/distributed.md): the query's positional row i is
@@ -52,39 +43,6 @@ struct AttentionWindow {
 struct AttentionPositions {
   int64_t query = 0, kv = 0;
 };
-
-// dot_attention over a sequence split across the ranks of a process group
-// (context parallelism, docs/distributed.md): each rank passes its shard of
-// query, keys and values along `axis` (self-attention: the query's positional
-// dim and the kv axis are one dim) and gets its shard of the output; the
-// result and its gradients equal the single-process call's, dropout included.
-// On the torch backend, over a c10d process group (Gloo for CPU tensors)
-// resolved by name through c10d's group registry, which torch.distributed
-// fills (Python: group.group_name; the default group's is "0").
-enum class ContextSharding {
-  contiguous,     // rank r holds one run of positions, runs in rank order, any sizes
-  load_balanced,  // causal: 2N equal chunks, rank r holds chunks r and 2N-1-r
-};
-enum class ContextStrategy {
-  ring,        // keys and values travel around the ring, overlapped with compute
-  all_gather,  // every rank's keys and values gathered at once
-};
-struct ContextParallel {
-  std::string group;
-  ContextSharding sharding = ContextSharding::contiguous;
-  ContextStrategy strategy = ContextStrategy::ring;
-  // Bounds each wait for a peer, in seconds; unset: the group's own timeout.
-  std::optional<double> timeout_seconds;
-  // Padding: the whole sequence's lengths (an integer tensor over batch dims
-  // of the call); each rank's axis is then a static dim of its shard's size.
-  std::optional<Tensor> lengths;
-};
-
-// The [start, end) positions of a sequence of `total` that `rank` of `world`
-// holds, in the order its shard lays them out (one range; two for
-// load_balanced, which needs total a multiple of 2 x world).
-std::vector<std::pair<int64_t, int64_t>> context_shard_ranges(int64_t total, int world, int rank,
-                                                              ContextSharding sharding);
 
 struct AttentionOptions {
   Dim key_dim;  // feature dim shared by query and keys, reduced in q·k
@@ -108,47 +66,28 @@ struct AttentionOptions {
   // it is causal_query_spatial_dim (set it to that or leave it unset);
   // windows and ALiBi without causal need it: it is never guessed.
   std::optional<Dim> query_position_dim;
-  std::optional<AttentionWindow> window;
-  // Energies become softcap * tanh(energy / softcap) (Gemma 2). > 0.
-  std::optional<double> softcap;
-  // ALiBi: energies get -slope * |i + offset - j|; a float tensor over
-  // (a subset of) the call's batch dims, usually heads (BLOOM, MPT).
-  std::optional<Tensor> alibi_slopes;
-  // Attention sinks: a float logit over (a subset of) the call's batch dims,
-  // usually heads, that joins every row's softmax denominator and carries no
-  // value (GPT-OSS); learnable (gradients flow to it).
-  std::optional<Tensor> sinks;
-  // The fixed "off-by-one" sink: logit 0 in every row's denominator.
-  bool sink_off_by_one = false;
-  // An additive float bias on the energies (after soft-capping, with ALiBi),
-  // over any of the call's dims except features: batch dims, the query's own
-  // dims (its positional dim, heads of GQA, beam), keys-only dims and `axis`
-  // (the kv position). Broadcast by name over the dims it lacks, never
-  // expanded by the fused kernels; gradients flow to it (T5's relative
-  // position bias, document masks as -inf). In self-attention (`axis` in the
-  // query) `axis` here is the kv position: for a bias that also varies with
-  // the query position, give keys and values their own kv dim.
-  std::optional<Tensor> bias;
-  // A bool mask over dims as for `bias`: true = may attend. Combined with
-  // every other mask; a row left without any position gives 0.
-  std::optional<Tensor> mask;
+  // Sliding window, soft-capping, ALiBi, sinks, bias and mask (variants.h).
+  AttentionVariants variants;
   // This call as one block of a longer sequence (AttentionPositions).
   // Needs a positional query dim (causal_query_spatial_dim or
   // query_position_dim) or self-attention's axis.
   std::optional<AttentionPositions> positions;
-  // Split the call across a process group (ContextParallel). Not with
-  // causal_offset, positions, bias, mask or energy tracing yet.
-  std::optional<ContextParallel> context_parallel;
+  // The seed of this call's dropout mask; unset: drawn from the run context
+  // (run_context.h). The blocks of one sequence share one (context
+  // parallelism), and a backward call given the forward call's seed draws
+  // its mask again.
+  std::optional<uint64_t> dropout_seed;
 };
 
 Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& values, const AttentionOptions& opts);
 
 // Gradients of dot_attention with respect to query, keys and values for an
 // upstream gradient `grad_output` (over the output's dims), computed by
-// dimattn's CPU kernel (cpu_flash): for backends without autograd (Eigen); on
-// the torch backend use Tensor::backward. Recomputes the forward pass. With
-// dropout, reset the run context's seed (set_random_seed) to its value before
-// the forward call, so that the same mask is drawn.
+// dimattn's CPU kernel (cpu_flash; forcing applies): for backends without
+// autograd (Eigen); on the torch backend use Tensor::backward. Recomputes the
+// forward pass. With dropout, give both calls one opts.dropout_seed, or reset
+// the run context's seed (set_random_seed) to its value before the forward
+// call, so that the same mask is drawn.
 struct AttentionGrads {
   Tensor query, keys, values;  // dims as the inputs
   std::optional<Tensor> sinks;  // with opts.sinks: over its dims
@@ -157,7 +96,8 @@ struct AttentionGrads {
 AttentionGrads dot_attention_backward(const Tensor& query, const Tensor& keys, const Tensor& values,
                                       const AttentionOptions& opts, const Tensor& grad_output);
 
-// Context parallelism's building blocks (docs/distributed.md): a call as one
+// Context parallelism's building blocks (dimattn/context_parallel.h,
+// docs/distributed.md): a call as one
 // block of a longer attention — its kv positions a part of the sequence, its
 // place given by opts.positions — computed by dimattn's CPU kernel on the
 // Eigen and torch backends, and by cuda_flash for CUDA tensors on the torch

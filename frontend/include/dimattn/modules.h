@@ -78,19 +78,19 @@ struct AttentionConfig {
   TensorOptions opts = {};
 
   // --- variants (docs/api.md, "Variants"), passed to dot_attention ---
-  // A sliding window in kv positions. CausalSelfAttention: `left` positions
-  // before each query (`right` unset or 0), and its step and chunk states keep
-  // only the last `left` positions. SelfAttention: either side. Not for
-  // CrossAttention (encoder and decoder positions are unrelated).
-  std::optional<AttentionWindow> window;
-  std::optional<double> softcap;
+  // Its scalar variants, passed on whole. A window is in kv positions:
+  // CausalSelfAttention takes `left` positions before each query (`right`
+  // unset or 0), and its step and chunk states keep only the last `left`
+  // positions; SelfAttention either side; not for CrossAttention (encoder and
+  // decoder positions are unrelated). Tensors are the module's own (the
+  // flags below), not set here.
+  AttentionVariants variants;
   // ALiBi with standard_alibi_slopes(num_heads) over the heads dim. Not for
   // CrossAttention.
   bool alibi = false;
   // A learnable sink logit per head: the module's `sinks` parameter, U(-1, 1)
-  // from seed + 6. Exclusive with sink_off_by_one (the fixed logit 0).
+  // from seed + 6. Exclusive with variants.sink_off_by_one (the fixed logit 0).
   bool sinks = false;
-  bool sink_off_by_one = false;
   // T5's relative position bias (RelativePositionBias above): the module's
   // `relative_position_bias` with this many buckets, bidirectional for
   // SelfAttention, causal for CausalSelfAttention; table from seed + 7. Not
@@ -127,9 +127,10 @@ class SelfAttention {
   std::tuple<Tensor, Tensor, Tensor> project_qkv(const Tensor& x) const;
   // attention output {..., heads, value_dim_per_head} -> {..., proj_dim}
   Tensor merge_heads(const Tensor& att) const;
-  // key_dim, axis, dropout and the variants of every mode: softcap, ALiBi
-  // slopes, sinks (windows and positions are the caller's).
+  // key_dim, axis, dropout and variants() (positions are the caller's).
   AttentionOptions attention_options(const Dim& axis) const;
+  // config.variants with the module's ALiBi slopes and sinks.
+  AttentionVariants variants() const;
   // With a relative position bias, sets o.bias over {heads, query_dim, o.axis}
   // (query row i at kv position i + offset). In self-attention (o.axis ==
   // query_dim) keys and values first get a kv dim of their own, which becomes

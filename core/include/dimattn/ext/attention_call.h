@@ -14,60 +14,14 @@
 // Causal masks use the query_spatial position and broadcast over groups.
 // kv_spatial never appears in the query.
 #include <cstdint>
-#include <iterator>
 #include <optional>
-#include <string>
-#include <utility>
 
 #include "dimattn/dim.h"
+#include "dimattn/selection.h"
 #include "dimattn/tensor.h"
+#include "dimattn/variants.h"
 
 namespace dimattn {
-
-// The variants of a call as kernel selection sees them: which are on, never
-// their sizes or values (AttentionParams::variants, the plan cache's key,
-// each gate's rejection by name). A new variant is an entry here, its names
-// below, and its line in AttentionCall::variants().
-enum class VariantKind : uint8_t { window, softcap, alibi, sinks, sinks_grad, bias, bias_grad, mask, count_ };
-
-// Its short name (describe(), `dimattn explain`) and what it is in words (errors).
-inline const std::pair<const char*, const char*>& variant_names(VariantKind v) {
-  static const std::pair<const char*, const char*> kNames[] = {
-      {"window", "a sliding window"},          {"softcap", "soft-capping"},
-      {"alibi", "ALiBi"},                      {"sinks", "attention sinks"},
-      {"sinks_grad", "a gradient of sinks"},   {"bias", "an additive bias"},
-      {"bias_grad", "a gradient of a bias"},   {"mask", "a boolean mask"}};
-  static_assert(std::size(kNames) == static_cast<size_t>(VariantKind::count_), "one name per VariantKind");
-  return kNames[static_cast<size_t>(v)];
-}
-
-struct VariantSet {
-  uint32_t bits = 0;
-
-  bool has(VariantKind v) const { return (bits >> static_cast<unsigned>(v)) & 1u; }
-  VariantSet& set(VariantKind v, bool on = true) {
-    if (on) bits |= 1u << static_cast<unsigned>(v);
-    return *this;
-  }
-  bool any() const { return bits != 0; }
-  VariantSet without(VariantSet other) const { return {bits & ~other.bits}; }
-  // The variants present, in VariantKind order.
-  template <class F>
-  void for_each(F fn) const {
-    for (unsigned v = 0; v < static_cast<unsigned>(VariantKind::count_); ++v)
-      if (has(static_cast<VariantKind>(v))) fn(static_cast<VariantKind>(v));
-  }
-  // Their short names joined by "," (long_names: their words, by ", "), "none" for none.
-  std::string names(bool long_names = false) const {
-    std::string s;
-    for_each([&](VariantKind v) {
-      if (!s.empty()) s += long_names ? ", " : ",";  // appended piecewise: GCC 12 warns (-Wrestrict) on "," + string
-      s += long_names ? variant_names(v).second : variant_names(v).first;
-    });
-    return s.empty() ? "none" : s;
-  }
-  bool operator==(const VariantSet&) const = default;
-};
 
 struct AttentionCall {
   Tensor query, keys, values;
@@ -89,30 +43,22 @@ struct AttentionCall {
   // position j as dropout_kv_position + j (AttentionOptions::positions; the
   // causal offset already holds their difference).
   int64_t dropout_q_position = 0, dropout_kv_position = 0;
-  // Variants (AttentionOptions; order in docs/numerics.md). With a window or
-  // ALiBi, query_spatial is the query's positional dim. Negative window
-  // bounds are unbounded. alibi_slopes and sinks are float tensors over a
-  // subset of batch ∪ keys_only ∪ query_groups.
-  int64_t window_left = -1, window_right = -1;
-  double softcap = 0.0;  // 0 = off
-  std::optional<Tensor> alibi_slopes;
-  std::optional<Tensor> sinks;  // the off-by-one sink is a zero scalar here
-  // Additive float bias and bool mask (true = may attend), each over a subset
-  // of batch ∪ keys_only ∪ query_groups ∪ {query_spatial, kv_spatial}.
-  std::optional<Tensor> bias, mask;
+  // Variants (AttentionOptions::variants, checked; order in docs/numerics.md).
+  // With a window or ALiBi, query_spatial is the query's positional dim. The
+  // slopes and sinks are over a subset of batch ∪ keys_only ∪ query_groups;
+  // the off-by-one sink is a zero scalar in `sinks` here. A bias or mask is
+  // over a subset of batch ∪ keys_only ∪ query_groups ∪ {query_spatial,
+  // kv_spatial}.
+  AttentionVariants variants;
 
-  bool has_window() const { return window_left >= 0 || window_right >= 0; }
-  bool positional() const { return causal || has_window() || alibi_slopes.has_value(); }
-
-  VariantSet variants() const {
-    using V = VariantKind;
-    VariantSet s;
-    s.set(V::window, has_window()).set(V::softcap, softcap > 0).set(V::alibi, alibi_slopes.has_value());
-    s.set(V::sinks, sinks.has_value()).set(V::sinks_grad, sinks && sinks->requires_grad());
-    s.set(V::bias, bias.has_value()).set(V::bias_grad, bias && bias->requires_grad());
-    return s.set(V::mask, mask.has_value());
-  }
+  bool positional() const { return causal || variants.positional(); }
 };
+
+// The roles of a call as AttentionParams, with the given layout class (the
+// backend detects it) and the current forcing and determinism settings.
+// (Calls under a capturing TraceScope never get here: dot_attention runs the
+// reference path for them itself.)
+AttentionParams attention_params(const AttentionCall& call, LayoutClass layout, bool requires_grad);
 
 // The keep mask of the call's attention dropout, drawn from the shared Philox
 // stream (kernels/common/philox.h): a bool tensor beside `like` (same backend

@@ -137,30 +137,32 @@ class Backend {
   // detected from the views its kernels would read. Default: `separate`,
   // no gradients.
   virtual AttentionParams attention_params_of(const AttentionCall& call);
-  // The plan for `call`: its decision, with every rejected candidate's
-  // reason, and what the backend derived to reach it (kernel_table.h).
-  // Default: attention_params_of and select_kernel over attention_table().
-  virtual AttentionPlanPtr plan_attention(const AttentionCall& call);
-  // plan_attention(call)'s decision.
+  // The plan for `call` and `use` (kernel_table.h's KernelUse): its
+  // decision, with every rejected candidate's reason, and what the backend
+  // derived to reach it. Default: attention_params_of and select_kernel over
+  // attention_table().
+  virtual AttentionPlanPtr plan_attention(const AttentionCall& call, KernelUse use);
+  // plan_attention(call, KernelUse::run)'s decision.
   Decision decide_attention(const AttentionCall& call);
   // Runs the fused kernel `plan` chose for `call` (never the reference
   // path); returns the output (dims as AttentionCall says).
-  // pre: plan = plan_attention(call) on this backend.
+  // pre: plan = plan_attention(call, KernelUse::run) on this backend.
   Tensor run_attention(const AttentionCall& call, const AttentionPlan& plan);
-  // The call as one block of a longer attention: its output and lse through
-  // a fused kernel that gives the lse (dot_attention_block). Default:
-  // throws, naming the backend.
-  virtual AttentionBlockResult attention_block(const AttentionCall& call);
+  // The call as one block of a longer attention (dot_attention_block): its
+  // output and lse from the block function of the kernel that
+  // plan_attention(call, KernelUse::block) chose. Throws when no kernel of
+  // the table (or none forced) gives the lse, with each one's reason.
+  AttentionBlockResult attention_block(const AttentionCall& call);
   // Gradients of the call's output with respect to query, keys and values
-  // for an upstream gradient over the output's dims, through a fused kernel:
-  // for backends without autograd (dot_attention_backward), and for blocks
-  // of a longer attention on any backend. `merged` null: recomputes the
-  // forward pass; else the call is one block and `merged` holds the output
-  // and lse of the whole attention for the call's query rows (their
-  // gradients summed over the blocks are the whole attention's).
-  // Default: throws, naming the backend.
-  virtual AttentionCallGrads attention_backward(const AttentionCall& call, const Tensor& grad_output,
-                                                const AttentionBlockResult* merged);
+  // for an upstream gradient over the output's dims, outside autograd, from
+  // the backward function of the kernel that selection chose for it: for
+  // backends without autograd (dot_attention_backward), and for blocks of a
+  // longer attention on any backend. `merged` null: recomputes the forward
+  // pass; else the call is one block and `merged` holds the output and lse
+  // of the whole attention for the call's query rows (their gradients summed
+  // over the blocks are the whole attention's). Throws as attention_block.
+  AttentionCallGrads attention_backward(const AttentionCall& call, const Tensor& grad_output,
+                                        const AttentionBlockResult* merged);
   // The names of attention_table()'s kernels on a device, in priority order.
   std::vector<std::string> attention_kernels(Device device) const;
 };

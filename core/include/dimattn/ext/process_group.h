@@ -1,5 +1,5 @@
 #pragma once
-// The collectives context parallelism needs (frontend/src/context_parallel.cpp),
+// The collectives context parallelism needs (frontend/src/context_parallel_exchange.cpp),
 // over a backend's process group (Backend::process_group): the torch backend
 // adapts c10d's ProcessGroup (Gloo on CPU, NCCL on CUDA), resolved by name.
 // Buffers are raw 1-d tensors of the backend; ranks are the group's own.

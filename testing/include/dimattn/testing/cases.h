@@ -35,8 +35,9 @@ const char* layout_name(Layout);
 // the query's time dim. ALiBi slopes 2^-(h+1) and sink logits (h % 3) - 1 per
 // kv head.
 struct CaseVariants {
-  std::optional<int64_t> window_left, window_right;
-  std::optional<double> softcap;
+  // The scalar variants (window, soft-capping, the off-by-one sink), passed
+  // on whole; no tensors here (those below are made per case).
+  AttentionVariants scalars;
   bool alibi = false, sinks = false;
   // An additive bias and a bool mask over the dims their letters name: b
   // batch, h heads, g the group dim, t the query's time dim, k the kv dim
@@ -44,8 +45,8 @@ struct CaseVariants {
   // Bias unit-normal (seed + 3), mask true with probability 3/4 (seed + 4).
   std::string bias, mask;
 
-  bool any() const { return positional() || softcap || sinks || !bias.empty() || !mask.empty(); }
-  bool positional() const { return window_left || window_right || alibi; }  // need the query's positional dim
+  bool any() const { return scalars.any() || alibi || sinks || !bias.empty() || !mask.empty(); }
+  bool positional() const { return scalars.positional() || alibi; }  // need the query's positional dim
   std::string describe() const;  // " window=[4,-] bias=htk", "" for none
 };
 

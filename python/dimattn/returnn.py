@@ -1,0 +1,450 @@
+"""RETURNN's ``rf.dot_attention`` on dimattn's fused kernels.
+
+    import dimattn.returnn
+    dimattn.returnn.enable()              # or: with dimattn.returnn.enabled(): ...
+    ...                                   # RETURNN models on the torch backend
+    dimattn.returnn.stats()               # {"routed": ..., "fallback": ..., "reasons": {...}, ...}
+
+For a whole RETURNN run, in its config (RETURNN calls ``startup_callback`` at start):
+
+    from dimattn.returnn import startup_callback
+    dimattn_attention = True              # or "strict"; DIMATTN_RETURNN=0/1/strict overrides
+
+``rf.dot_attention`` reaches the torch backend through
+``TorchBackend.scaled_dot_product_attention`` (inherited from RETURNN's generic
+``Backend``); ``enable`` puts dimattn there and ``disable`` restores exactly what was
+there. A call dimattn cannot take runs RETURNN's own implementation, counted with
+its reason (``stats()``), or raises in strict mode. docs/returnn.md.
+
+RETURNN is called through its public API only; none of its code is copied (its
+license forbids distributing modified copies).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+from numbers import Real
+from typing import Dict, List, Optional
+
+import torch
+import returnn.frontend as rf
+from returnn.config import get_global_config
+from returnn.tensor import Dim as RfDim, Tensor as RfTensor
+from returnn.torch.frontend import TorchBackend
+
+import dimattn as da
+
+__all__ = ["enable", "disable", "enabled", "is_enabled", "is_strict", "stats", "reset_stats", "trace", "startup_callback",
+           "enable_from_config"]
+
+_HOOK = "scaled_dot_product_attention"
+_ABSENT = object()  # TorchBackend had no attribute of its own (it inherited the generic one)
+
+# The reasons a call runs RETURNN's own implementation (docs/returnn.md lists them).
+PER_ROW_KV_LENGTHS = "per-query-row kv lengths"
+
+
+class _Patch:
+    """What enable() replaced: TorchBackend's own attribute (or _ABSENT), the
+    implementation it resolved to (RETURNN's, for fallbacks), and our descriptor."""
+
+    def __init__(self, strict: bool):
+        self.saved = TorchBackend.__dict__.get(_HOOK, _ABSENT)
+        self.original = getattr(TorchBackend, _HOOK)
+        self.installed = classmethod(_scaled_dot_product_attention)
+        self.strict = strict
+
+
+_patch: Optional[_Patch] = None
+
+
+def enable(strict: bool = False) -> None:
+    """Route ``rf.dot_attention`` on RETURNN's torch backend to dimattn (process-wide).
+    ``strict``: a call dimattn cannot take raises dimattn.Error instead of running
+    RETURNN's implementation. Enabling again only updates ``strict``."""
+    global _patch
+    if _patch is None:
+        _patch = _Patch(strict)
+        setattr(TorchBackend, _HOOK, _patch.installed)
+    _patch.strict = bool(strict)
+
+
+def disable() -> None:
+    """Restore what ``TorchBackend.scaled_dot_product_attention`` was before enable()."""
+    global _patch
+    if _patch is None:
+        return
+    if TorchBackend.__dict__.get(_HOOK) is not _patch.installed:
+        raise da.Error("[dimattn.returnn] TorchBackend.scaled_dot_product_attention was replaced by someone else "
+                       "after enable(); restoring it would drop their change: undo theirs first")
+    if _patch.saved is _ABSENT:
+        delattr(TorchBackend, _HOOK)
+    else:
+        setattr(TorchBackend, _HOOK, _patch.saved)
+    _patch = None
+
+
+def is_enabled() -> bool:
+    return _patch is not None
+
+
+def is_strict() -> bool:
+    """Whether routing is on in strict mode."""
+    return _patch is not None and _patch.strict
+
+
+@contextlib.contextmanager
+def enabled(strict: bool = False):
+    """``with dimattn.returnn.enabled():`` routes inside, and leaves the routing as it
+    was before (on or off, strict or not) afterwards."""
+    before = None if _patch is None else _patch.strict
+    enable(strict)
+    try:
+        yield
+    finally:
+        if before is None:
+            disable()
+        else:
+            _patch.strict = before
+
+
+# --- a whole run: RETURNN's config ---------------------------------------------------
+
+def _mode(value, where: str) -> Optional[bool]:
+    """None: off; False: on; True: strict."""
+    text = str(value).strip().lower()
+    if value is None or value is False or text in ("", "0", "false", "off", "no"):
+        return None
+    if value is True or text in ("1", "true", "on", "yes"):
+        return False
+    if text == "strict":
+        return True
+    raise da.Error(f"[dimattn.returnn] {where} must be True, False or \"strict\", got {value!r}")
+
+
+def enable_from_config(config=None) -> bool:
+    """Enable as the RETURNN config's option ``dimattn_attention`` says (True, False or
+    "strict"; default: the global config), unless the environment variable
+    DIMATTN_RETURNN (1, 0 or strict) overrides it. Returns whether routing is on."""
+    env = os.environ.get("DIMATTN_RETURNN")
+    if env is not None:
+        mode = _mode(env, "DIMATTN_RETURNN")
+    else:
+        if config is None:
+            config = get_global_config(raise_exception=False)
+        value = config.opt_typed_value("dimattn_attention", False) if config is not None else False
+        mode = _mode(value, "the RETURNN config option dimattn_attention")
+    if mode is None:
+        disable()
+        return False
+    enable(strict=mode)
+    return True
+
+
+def startup_callback(*, config, **_kwargs) -> None:
+    """RETURNN's ``startup_callback`` config option (called once at start, before the
+    engine): ``from dimattn.returnn import startup_callback`` in a config enables
+    routing as its ``dimattn_attention`` option says. A config with a startup callback
+    of its own calls :func:`enable_from_config` from it instead."""
+    enable_from_config(config)
+
+
+# --- counts ----------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_counts = {"routed": 0, "fallback": 0, "reference": 0}
+_reasons: Dict[str, int] = {}
+_kernels: Dict[str, int] = {}
+
+
+def stats() -> dict:
+    """Counts since the last reset_stats(): ``routed`` (ran on dimattn; ``kernels`` counts
+    the kernels), ``fallback`` (ran RETURNN's implementation because dimattn cannot take
+    the call) and ``reference`` (ran RETURNN's implementation because dimattn's
+    selection chose its reference path: forced with DIMATTN_SDPA or dimattn.force, or no
+    fused kernel takes the call); ``reasons`` counts why for both."""
+    with _lock:
+        return {**_counts, "reasons": dict(_reasons), "kernels": dict(_kernels)}
+
+
+def reset_stats() -> None:
+    with _lock:
+        for k in _counts:
+            _counts[k] = 0
+        _reasons.clear()
+        _kernels.clear()
+
+
+def _count(outcome: str, detail: str) -> None:
+    """detail: the kernel of a routed call, else the reason."""
+    with _lock:
+        _counts[outcome] += 1
+        counts = _kernels if outcome == "routed" else _reasons
+        counts[detail] = counts.get(detail, 0) + 1
+
+
+# --- tracing ---------------------------------------------------------------------------
+
+class _Traces(threading.local):
+    def __init__(self):
+        self.active: List["trace"] = []
+
+
+_traces = _Traces()
+
+
+class trace:
+    """``with dimattn.returnn.trace() as t:`` records each routed call made inside (per
+    thread) in ``t.records``, as dimattn.trace does, with RETURNN Tensors over RETURNN
+    Dims: ``kernel``, ``output`` and, with ``capture_tensors`` (default; calls then run
+    dimattn's reference path), ``energy`` (scaled, before masking) and ``att_weights``
+    (after masking, softmax and dropout). The kv side of self-attention is a new Dim
+    named ``<axis>:kv``. Calls that run RETURNN's implementation are not recorded: trace
+    those with RETURNN's own tools (force the reference path, docs/returnn.md)."""
+
+    def __init__(self, capture_tensors: bool = True):
+        self.capture_tensors = capture_tensors
+        self.records: List[da.AttentionTrace] = []
+
+    def __enter__(self):
+        _traces.active.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _traces.active.remove(self)
+        return False
+
+
+# --- one call --------------------------------------------------------------------------
+
+class _Fallback(Exception):
+    """A call dimattn cannot take; the message is the reason."""
+
+
+# dimattn Dims made for RETURNN dims in recent calls, keyed by the RETURNN Dim's
+# identity and what the Dim was made of (a static extent, or the mask its lengths
+# came from); the entry holds both, so their ids stay unique. Calls over the same
+# dims (the layers of one step, decoding steps) then reach dimattn with the same
+# Dims, whose call encoding dimattn keeps.
+_made: Dict[tuple, tuple] = {}
+_MADE_KEPT = 256
+
+
+def _made_dim(d: RfDim, of, make) -> da.Dim:
+    key = (id(d), of if isinstance(of, int) else id(of))
+    hit = _made.get(key)
+    if hit is None:
+        if len(_made) >= _MADE_KEPT:
+            _made.pop(next(iter(_made)))
+        hit = _made[key] = (d, of, make())
+    return hit[2]
+
+
+class _Call:
+    """One call's RETURNN dims as dimattn Dims. RETURNN's equality decides which dims
+    are one dim (a dict keyed by RETURNN Dims uses it): two dims RETURNN tells apart
+    stay two, whatever their names."""
+
+    def __init__(self):
+        self.to_da: Dict[RfDim, da.Dim] = {}
+        self.to_rf: Dict[int, RfDim] = {}
+
+    def _add(self, d: RfDim, m: da.Dim) -> da.Dim:
+        self.to_da[d] = m
+        self.to_rf[id(m)] = d
+        return m
+
+    def dim(self, d: RfDim, extent: int) -> da.Dim:
+        m = self.to_da.get(d)
+        if m is None:
+            return self._add(d, _made_dim(d, extent, lambda: da.Dim(d.name or "dim", extent)))
+        if m.size is not None and m.size != extent:
+            raise _Fallback(f"dim {d} has extents {m.size} and {extent}")
+        return m
+
+    def dynamic(self, d: RfDim, mask: RfTensor) -> da.Dim:
+        """d with the lengths of RETURNN's mask of it (over its other dims, all mapped)."""
+        def make():
+            lengths = mask.raw_tensor.sum(dim=mask.dims.index(d), dtype=torch.int64)
+            return da.Dim.dynamic(d.name or "dim", da.Tensor(lengths, [self.to_da[e] for e in mask.dims if e != d]))
+        return self._add(d, _made_dim(d, mask.raw_tensor, make))
+
+    def tensor(self, x: RfTensor, skip: RfDim) -> None:
+        """Maps x's dims but ``skip`` (mapped after the others)."""
+        for d, extent in zip(x.dims, x.raw_tensor.shape):
+            if d != skip:
+                self.dim(d, extent)
+
+    def named(self, x: RfTensor) -> da.Tensor:
+        dims = [self.to_da[d] for d in x.dims]
+        if len({id(d) for d in dims}) < len(dims):
+            raise _Fallback(f"{x} has two dims that RETURNN treats as one")
+        return da.Tensor(x.raw_tensor, dims)
+
+    def back(self, x: da.Tensor) -> List[RfDim]:
+        return [self.to_rf[id(d)] for d in x.dims]
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_per_row_kv_lengths() -> bool:
+    """Whether this dimattn takes kv lengths that vary over a query-only dim (each
+    query row its own kv length). Asked once, with a call of two rows."""
+    b, t, f = da.Dim("b", 1), da.Dim("t", 2), da.Dim("f", 1)
+    kv = da.Dim.dynamic("kv", da.Tensor(torch.tensor([[1, 2]]), [b, t]))
+    q = da.Tensor(torch.zeros(1, 2, 1), [b, t, f])
+    k = da.Tensor(torch.zeros(1, 2, 1), [b, kv, f])
+    try:
+        da.dot_attention(q, k, k, key_dim=f, axis=kv)
+    except da.Error:
+        return False
+    return True
+
+
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _prepare(query: RfTensor, key: RfTensor, value: RfTensor, *, att_dropout_broadcast: bool, qk_feat_dim: RfDim,
+             kv_spatial_dim: RfDim, query_spatial_dim: RfDim, attention_mask=None, att_dropout=0.0, is_causal=False,
+             scale=None, v_feat_dim=None, **unknown):
+    """The dimattn call for the arguments of RETURNN's hook (with its defaults;
+    v_feat_dim is implied by the dims): the call's dims, the operands and the keyword
+    arguments of dimattn.dot_attention. Raises _Fallback for what dimattn cannot take,
+    checked up front (no error of a call is caught)."""
+    if unknown:
+        raise _Fallback(f"arguments it does not know: {', '.join(sorted(unknown))}")
+    if attention_mask is not None:
+        raise _Fallback("attention_mask")
+    if torch.compiler.is_compiling():
+        raise _Fallback("inside torch.compile")
+    if rf.is_static_traceable():
+        raise _Fallback("static-traceable (bound-shape) regime")
+    raws = (query.raw_tensor, key.raw_tensor, value.raw_tensor)
+    if not all(isinstance(r, torch.Tensor) for r in raws):
+        raise _Fallback("operands are not torch tensors")
+    if raws[0].dtype not in _FLOATS or any(r.dtype != raws[0].dtype for r in raws):
+        raise _Fallback(f"operand dtypes {', '.join(str(r.dtype) for r in raws)}")
+    if any(r.device != raws[0].device for r in raws):
+        raise _Fallback("operands on different devices")
+    if torch.is_autocast_enabled(raws[0].device.type):
+        raise _Fallback("torch autocast (dimattn's op has no autocast rule)")
+    if not isinstance(att_dropout, Real) or not 0 <= att_dropout < 1:
+        raise _Fallback("att_dropout is not a number in [0, 1)")
+    if scale is not None and not isinstance(scale, Real):
+        raise _Fallback("scale is not a number")
+    train = False
+    if att_dropout:
+        train = rf.get_run_ctx().is_train_flag_enabled(func=rf.dropout)
+        if not isinstance(train, bool):
+            raise _Fallback("the train flag is a tensor")
+    if qk_feat_dim.dimension is None:
+        raise _Fallback("key_dim is dynamic")
+    if qk_feat_dim not in query.dims or qk_feat_dim not in key.dims or kv_spatial_dim not in key.dims \
+            or kv_spatial_dim not in value.dims:
+        raise _Fallback("key_dim or axis missing from an operand")
+    if is_causal:
+        if query_spatial_dim not in query.dims:
+            raise _Fallback("causal, but the query lacks query_spatial_dim")
+    elif kv_spatial_dim in query.dims:
+        raise _Fallback("axis in the query without is_causal")
+
+    c = _Call()
+    for x in (query, key, value):
+        c.tensor(x, skip=kv_spatial_dim)
+    extent = key.raw_tensor.shape[key.dims.index(kv_spatial_dim)]
+    if is_causal or not kv_spatial_dim.need_masking():
+        # RETURNN's causal attention masks j <= i and nothing else (padded rows
+        # attend padded kv positions too): dimattn's with a static axis.
+        axis = c.dim(kv_spatial_dim, extent)
+        if is_causal and c.to_da[query_spatial_dim].size != extent:
+            raise _Fallback("causal with query and kv extents that differ")
+    else:
+        axis = c.dynamic(kv_spatial_dim, _mask(kv_spatial_dim, query, key))
+    kwargs = dict(key_dim=c.to_da[qk_feat_dim], axis=axis, att_dropout=float(att_dropout),
+                  att_dropout_broadcast=bool(att_dropout_broadcast), scale=None if scale is None else float(scale),
+                  train=train, causal_query_spatial_dim=c.to_da[query_spatial_dim] if is_causal else None)
+    return c, c.named(query), c.named(key), c.named(value), kwargs
+
+
+def _mask(axis: RfDim, query: RfTensor, key: RfTensor) -> RfTensor:
+    """RETURNN's own mask of the axis (Dim.get_mask), from which its lengths are
+    counted: padded entries of a lengths tensor then mean what the installed RETURNN
+    means. Its other dims must be the keys' (or the query's, once dimattn takes
+    per-row kv lengths)."""
+    if axis.dyn_size_ext is None or axis.dyn_size_ext.raw_tensor is None:
+        raise _Fallback("axis without lengths")
+    mask = axis.get_mask(device=key.device)
+    for d in mask.dims:
+        if d != axis and d not in key.dims:
+            if d in query.dims and not _takes_per_row_kv_lengths():
+                raise _Fallback(PER_ROW_KV_LENGTHS)
+            if d not in query.dims:
+                raise _Fallback(f"kv lengths over {d}, which no operand has")
+    return mask
+
+
+def _decision(q: da.Tensor, k: da.Tensor, v: da.Tensor, kwargs: dict) -> da.Decision:
+    """The kernel dimattn selects for the call and why. Its dropout seed would come from
+    torch's generator, so the generator's state is kept: a routed call draws from it
+    exactly as a dimattn.dot_attention call does."""
+    draws = kwargs["train"] and kwargs["att_dropout"]
+    state = torch.random.get_rng_state() if draws else None
+    decision = da.explain(q, k, v, **kwargs)
+    if draws:
+        torch.random.set_rng_state(state)
+    return decision
+
+
+def _scaled_dot_product_attention(cls, query: RfTensor, key: RfTensor, value: RfTensor, **kwargs) -> RfTensor:
+    """TorchBackend.scaled_dot_product_attention while routing is enabled."""
+    patch = _patch
+    try:
+        c, q, k, v, call = _prepare(query, key, value, **kwargs)
+    except _Fallback as why:
+        if patch.strict:
+            raise da.Error(f"[dimattn.returnn] rf.dot_attention cannot run on dimattn: {why}; disable strict mode "
+                           f"to run RETURNN's own implementation for such calls") from None
+        _count("fallback", str(why))
+        return patch.original(query, key, value, **kwargs)
+    decision = _decision(q, k, v, call)
+    if decision.kernel == "reference":
+        # Forced (DIMATTN_SDPA, dimattn.force), or no fused kernel takes the call:
+        # RETURNN's own implementation, whose locals RETURNN's tracers see.
+        first = decision.rejected[0] if decision.rejected else None
+        _count("reference", "dimattn selected its reference path" + (f" ({first.kernel}: {first.reason})" if first
+                                                                      else ""))
+        return patch.original(query, key, value, **kwargs)
+    traces = _traces.active
+    if not traces:
+        out = da.dot_attention(q, k, v, **call)
+        _count("routed", decision.kernel)
+        return _returnn_tensor(out.raw, c.back(out), value)
+    with da.trace(capture_tensors=any(t.capture_tensors for t in traces)) as t:
+        out = da.dot_attention(q, k, v, **call)
+    record = t.records[-1]
+    _count("routed", record.kernel)
+    result = _returnn_tensor(out.raw, c.back(out), value)
+    energy, weights = _traced(record, c, kwargs["kv_spatial_dim"])
+    for t in traces:
+        t.records.append(da.AttentionTrace(record.kernel, result, *((energy, weights) if t.capture_tensors else ())))
+    return result
+
+
+def _returnn_tensor(raw: torch.Tensor, dims: List[RfDim], value: RfTensor) -> RfTensor:
+    out = RfTensor("dot_attention", dims=dims, dtype=value.dtype, raw_tensor=raw)
+    if value.feature_dim is not None and value.feature_dim in dims:
+        out.feature_dim = value.feature_dim  # as RETURNN's implementation sets it
+    return out
+
+
+def _traced(record: da.AttentionTrace, c: _Call, axis: RfDim):
+    """A trace record's energy and weights as RETURNN Tensors over RETURNN Dims (None
+    without captured tensors); the kv side of self-attention becomes a new Dim."""
+    if record.energy is None:
+        return None, None
+    for d in record.energy.dims:
+        if id(d) not in c.to_rf:
+            c.to_rf[id(d)] = RfDim(record.energy.raw.shape[record.energy.axis_of(d)], name=f"{axis.name}:kv")
+    return tuple(RfTensor(name, dims=c.back(x), dtype=str(x.raw.dtype).replace("torch.", ""), raw_tensor=x.raw)
+                 for name, x in (("energy", record.energy), ("att_weights", record.att_weights)))
