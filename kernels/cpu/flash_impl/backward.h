@@ -179,17 +179,7 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
               continue;
             }
             if (mod.on()) {  // the forward's scores: scaled, capped, bias, ALiBi, mask
-              A* th = mod.capped() ? w.th + r * ldk : nullptr;
-              A t;
-              if (mod.bias_row_only()) {
-                const A* bias = mod.bias + (i0 + r) * mod.bias_row + j0;
-                for (int64_t c = lr; c < nv; ++c) srow[c] = srow[c] * qk_mul + log2e * bias[c];
-              } else {
-                for (int64_t c = lr; c < nv; ++c) {
-                  srow[c] = mod.apply(srow[c] * qk_mul, i0 + r, j0 + c, t);
-                  if (th) th[c] = t;
-                }
-              }
+              apply_score_mods(mod, srow, mod.capped() ? w.th + r * ldk : nullptr, lr, nv, qk_mul, i0 + r, j0);
               exp2_row<Operands::kRoundedWeights>(srow, round_up(nv, W), A(1), lse2[r]);
             } else {
               exp2_row<Operands::kRoundedWeights>(srow, round_up(nv, W), qk_mul, lse2[r]);
@@ -236,10 +226,8 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
                   e += drow[c];
               }
             }
-            if (mod.capped()) {  // through the cap
-              const A* th = w.th + r * ldk;
-              for (int64_t c = lb(r); c < nv; ++c) drow[c] *= mod.dcapped(th[c]);
-            }
+            // Through the cap, on the rows whose th the recomputation above wrote.
+            if (mod.capped() && nv > lb(r) && lse2[r] != -kInf) dcapped_row(drow, w.th + r * ldk, lb(r), nv);
           }
           if (drop.on) x = w.x;
           // dV += X^T dO, dK += dS^T Q and dQ += dS K (dK, dQ scaled at the end).

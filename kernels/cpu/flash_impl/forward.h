@@ -170,13 +170,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
       // turn the max into a min, and 0 * -inf is NaN).
       A mul = smul;
       if (mod.on()) {  // cap, bias, ALiBi, mask
-        A t;
-        if (mod.bias_row_only()) {
-          const A* bias = mod.bias + (r0 + r) * mod.bias_row + j0;
-          for (int64_t c = lb; c < nv; ++c) srow[c] = srow[c] * mul + static_cast<A>(kScoreLog2e) * bias[c];
-        } else {
-          for (int64_t c = lb; c < nv; ++c) srow[c] = mod.apply(srow[c] * mul, r0 + r, j0 + c, t);
-        }
+        apply_score_mods(mod, srow, static_cast<A*>(nullptr), lb, nv, mul, r0 + r, j0);
         mul = A(1);
       } else if (!(mul > A(0))) {
         scale_row(srow, npr, mul);
