@@ -69,8 +69,8 @@ struct BackwardScratch {
 // unscaled), or nullptr when the chunk is the whole kv range and dq is
 // written directly.
 template <class S, class A>
-void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, const BackwardPlan& plan, int64_t b,
-                   int64_t hk, int64_t chunk, A* share, BackwardScratch<S, A>& w) {
+void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, const MaskTiles& tiles,
+                   const BackwardPlan& plan, int64_t b, int64_t hk, int64_t chunk, A* share, BackwardScratch<S, A>& w) {
   constexpr int W = Simd<A>::W;
   constexpr A kInf = std::numeric_limits<A>::infinity();
   const int64_t D = p.head_dim, Dv = p.head_dim_v, Tq = p.seqlen_q, G = p.group_size();
@@ -100,7 +100,9 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
   for (int64_t g = 0; g < G; ++g) {
     const int64_t h = hk * G + g;
     const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
-    const ScoreMod<A> mod = score_mod_of<A>(p.score, mask, b, h, p.heads);
+    const ScoreMod<A> masked = score_mod_of<A>(p.score, mask, b, h, p.heads);
+    ScoreMod<A> unmasked = masked;  // for the bool mask's full blocks
+    unmasked.mask = nullptr;
     // d(bias) of this head's plane: dS itself (bias adds to the score).
     A* const dbias = p.score.dbias_plane<A>(b * p.heads + h);
     A* dq = share ? share + g * Tq * dp : w.dq;  // indexed by absolute row
@@ -148,6 +150,11 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
           const int64_t r0 = i0 - i_start;  // the block's first row in the task's copies
           const A* lse2 = w.lse2 + (i0 - i_start);
           const A* di = w.di + (i0 - i_start);
+          // The bool mask's class of the block (forward.h): empty blocks add
+          // nothing to any gradient.
+          const TileClass cls = tiles.on() ? tiles.of(b * p.heads + h, i0, i0 + mm, j0) : TileClass::partial;
+          if (cls == TileClass::empty) continue;
+          const ScoreMod<A>& mod = cls == TileClass::full ? unmasked : masked;
           // Causal diagonal tiles: row r attends the tile's first nv[r]
           // positions, kv position c is attended from local row kbeg[c] on.
           const bool partial = mask.hi(i0) < j0 + n;
@@ -314,6 +321,9 @@ void backward(const AttentionKernelParams& p, const ParallelFor& parallel_for) {
   const int64_t share_len = G * Tq * dp;
   if (C > 1) shares.reset(new A[static_cast<size_t>(groups * C * share_len)]);
 
+  // The mask's blocks at the backward pass's kv tile width, classified again
+  // (the forward's tiles are wider; one scan of the mask's distinct planes).
+  const MaskTiles tiles(p, plan.bk, parallel_for);
   parallel_for(0, groups * C, [&](int64_t t0, int64_t t1) {
     BackwardScratch<S, A> w(p, plan);
     for (int64_t t = t0; t < t1; ++t) {
@@ -321,7 +331,7 @@ void backward(const AttentionKernelParams& p, const ParallelFor& parallel_for) {
       // Under causal masking early kv chunks have more query rows: alternate.
       const int64_t chunk = p.causal ? (ci % 2 == 0 ? ci / 2 : C - 1 - ci / 2) : ci;
       A* share = C > 1 ? shares.get() + (grp * C + chunk) * share_len : nullptr;
-      backward_task<S, A>(p, drop, plan, grp / p.kv_heads, grp % p.kv_heads, chunk, share, w);
+      backward_task<S, A>(p, drop, tiles, plan, grp / p.kv_heads, grp % p.kv_heads, chunk, share, w);
     }
   });
   if (C == 1) return;
