@@ -53,13 +53,13 @@ class MaskTiles {
     parallel_for(0, static_cast<int64_t>(firsts.size()) * groups_, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t plane = t / groups_, g = t % groups_;
-        const uint8_t* base = mk.plane<uint8_t>(firsts[static_cast<size_t>(plane)]);
+        const int64_t i0 = g * kRows, rows = std::min(p.seqlen_q, i0 + kRows) - i0;
+        const uint8_t* base = mk.plane<uint8_t>(firsts[static_cast<size_t>(plane)]) + i0 * mk.row_stride;
         uint8_t* out = bits_.data() + (plane * groups_ + g) * tiles_;
-        for (int64_t i = g * kRows; i < std::min(p.seqlen_q, (g + 1) * kRows); ++i)
-          for (int64_t tile = 0; tile < tiles_; ++tile) {
-            const int64_t j0 = tile * bk, n = std::min(bk, p.seqlen_k - j0);
-            out[tile] |= scan(base + i * mk.row_stride + j0 * mk.col_stride, n, mk.col_stride);
-          }
+        for (int64_t tile = 0; tile < tiles_; ++tile) {
+          const int64_t j0 = tile * bk, n = std::min(bk, p.seqlen_k - j0);
+          out[tile] = scan(base + j0 * mk.col_stride, rows, mk.row_stride, n, mk.col_stride);
+        }
       }
     });
   }
@@ -76,24 +76,34 @@ class MaskTiles {
   }
 
  private:
-  // The bits of n mask bytes at p with stride cs.
-  static uint8_t scan(const uint8_t* p, int64_t n, int64_t cs) {
+  // The bits of a block of mask bytes: rows of n bytes at p + r * rs, byte
+  // c at + c * cs.
+  static uint8_t scan(const uint8_t* p, int64_t rows, int64_t rs, int64_t n, int64_t cs) {
     bool allows = false, forbids = false;
     if (cs == 1) {
-      // A vector of bytes at a time: per lane, OR of (byte != 0) and of (byte == 0).
+      // A vector of bytes at a time: per lane, OR of (byte != 0) and of
+      // (byte == 0) over the block, reduced once at the end.
       typedef uint8_t vb __attribute__((vector_size(sizeof(vf))));
       constexpr int64_t B = sizeof(vb);
       vb any_nz{}, any_z{};
-      int64_t j = 0;
-      for (; j + B <= n; j += B) {
-        const vb x = vload<vb>(p + j);
-        any_nz |= (vb)(x != 0);
-        any_z |= (vb)(x == 0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t* row = p + r * rs;
+        int64_t j = 0;
+        for (; j + B <= n; j += B) {
+          const vb x = vload<vb>(row + j);
+          any_nz |= (vb)(x != 0);
+          any_z |= (vb)(x == 0);
+        }
+        for (; j < n; ++j) allows |= row[j] != 0, forbids |= row[j] == 0;
       }
-      for (int64_t l = 0; l < B; ++l) allows |= any_nz[l] != 0, forbids |= any_z[l] != 0;
-      for (; j < n; ++j) allows |= p[j] != 0, forbids |= p[j] == 0;
+      uint64_t w[B / 8];
+      std::memcpy(w, &any_nz, B);
+      for (uint64_t x : w) allows |= x != 0;
+      std::memcpy(w, &any_z, B);
+      for (uint64_t x : w) forbids |= x != 0;
     } else {
-      for (int64_t j = 0; j < n; ++j) allows |= p[j * cs] != 0, forbids |= p[j * cs] == 0;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < n; ++j) allows |= p[r * rs + j * cs] != 0, forbids |= p[r * rs + j * cs] == 0;
     }
     return static_cast<uint8_t>((allows ? kTileAllows : 0) | (forbids ? kTileForbids : 0));
   }
