@@ -208,7 +208,7 @@ struct ScoreMod {
   DIMATTN_HD bool capped() const { return cap > 0; }
   // The modified score of raw x at (i, j), -inf where the mask forbids it;
   // the CPU kernel applies the same steps in the same order a vector of
-  // columns at a time (cpu/flash_impl/score_mods.h, with its own vtanh);
+  // columns at a time (cpu/flash_impl/score_mods.h, with its own vtanh2);
   // t receives tanh(x / cap) (for the backward pass: dcapped(t)), 0 without
   // soft-capping. pre: (i, j) is inside the call (the bias and mask are read
   // there).

@@ -15,7 +15,7 @@
 // are left unspecified for the caller to fill. The bias is read at columns
 // [lb rounded down, nv) (inside the call: j0 <= j < j0 + nv), the mask at
 // [lb, nv).
-// th, when not nullptr (soft-capping on), receives tanh(x / cap) (vtanh,
+// th, when not nullptr (soft-capping on), receives tanh(x / cap) (vtanh2,
 // the backward pass's dcapped) in [lb, nv) and 0 in the vectors' other
 // lanes, where dcapped(0) = 1 leaves dS as it is.
 template <class A>
@@ -24,18 +24,22 @@ void apply_score_mods(const ScoreMod<A>& mod, A* srow, A* th, int64_t lb, int64_
   using V = typename S::V;
   constexpr int W = S::W;
   const int64_t c0 = lb / W * W, npr = round_up(nv, W);
-  const V vmul = S::splat(mul), vcap = S::splat(mod.cap), vinv_cap = S::splat(mod.capped() ? A(1) / mod.cap : A(0));
+  // Capped: tanh(x / cap) with x = s * mul, as vtanh2 of s * (mul * 2 log2(e) / cap).
+  const V vmul = S::splat(mul), vcap = S::splat(mod.cap);
+  const V vtanh_mul = S::splat(mod.capped() ? mul * A(2.8853900817779268) / mod.cap : A(0));
   const V vlog2e = S::splat(static_cast<A>(kScoreLog2e)), vslope = S::splat(-mod.slope);
   const A* brow = mod.bias ? mod.bias + i * mod.bias_row + j0 * mod.bias_col : nullptr;
   // |i + offset - j| = |diag - lane| at column c, diag = i + offset - j0 - c.
   V lane;
   for (int l = 0; l < W; ++l) lane[l] = static_cast<A>(l);
   for (int64_t c = c0; c < npr; c += W) {
-    V x = vload<V>(srow + c) * vmul;
+    V x;
     if (mod.capped()) {
-      const V t = vtanh(x * vinv_cap);
+      const V t = vtanh2(vload<V>(srow + c) * vtanh_mul);
       x = vcap * t;
       if (th) vstore(th + c, t);
+    } else {
+      x = vload<V>(srow + c) * vmul;
     }
     if (brow) {
       V b;
