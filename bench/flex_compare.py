@@ -27,14 +27,13 @@ import datetime
 import os
 import platform
 import re
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import dimattn as da
+from bench_timing import interleaved
 
 VARIANTS = ["causal", "window", "softcap", "alibi", "documents", "window_documents"]
 LABELS = {
@@ -58,19 +57,6 @@ def cpu_info():
                 flags |= set(line.split(":", 1)[1].split())
     shown = sorted(x for x in flags if re.fullmatch(r"avx2|fma|avx512[a-z_0-9]*|amx[a-z_0-9]*", x))
     return model, " ".join(shown)
-
-
-def interleaved(fns, rounds):
-    """Median seconds of each fn, run alternately (order flipped every round) after one warm-up each."""
-    for fn in fns:
-        fn()
-    times = [[] for _ in fns]
-    for r in range(rounds):
-        for i in list(range(len(fns)))[::(-1 if r % 2 else 1)]:
-            t0 = time.perf_counter()
-            fns[i]()
-            times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
 
 
 class Problem:
