@@ -35,11 +35,11 @@ from returnn.tensor import Dim as RfDim, Tensor as RfTensor
 from returnn.torch.frontend import TorchBackend
 
 import dimattn as da
+from dimattn._varlen import PackedCall
 
 __all__ = ["enable", "disable", "enabled", "is_enabled", "is_strict", "stats", "reset_stats", "trace", "startup_callback",
            "enable_from_config"]
 
-_HOOK = "scaled_dot_product_attention"
 _ABSENT = object()  # TorchBackend had no attribute of its own (it inherited the generic one)
 
 # The reasons a call runs RETURNN's own implementation (docs/returnn.md lists them).
@@ -47,13 +47,17 @@ PER_ROW_KV_LENGTHS = "per-query-row kv lengths"
 
 
 class _Patch:
-    """What enable() replaced: TorchBackend's own attribute (or _ABSENT), the
-    implementation it resolved to (RETURNN's, for fallbacks), and our descriptor."""
+    """What enable() replaced on TorchBackend: per attribute (rf.dot_attention's
+    ``scaled_dot_product_attention`` and the packed backend's varlen kernel hook
+    ``sdpa_varlen_raw``) TorchBackend's own (or _ABSENT) and our descriptor; the
+    implementations they resolved to, for fallbacks."""
 
     def __init__(self, strict: bool):
-        self.saved = TorchBackend.__dict__.get(_HOOK, _ABSENT)
-        self.original = getattr(TorchBackend, _HOOK)
-        self.installed = classmethod(_scaled_dot_product_attention)
+        self.hooks = {name: (TorchBackend.__dict__.get(name, _ABSENT), ours) for name, ours in (
+            ("scaled_dot_product_attention", classmethod(_scaled_dot_product_attention)),
+            ("sdpa_varlen_raw", staticmethod(_sdpa_varlen_raw)))}
+        self.original = TorchBackend.scaled_dot_product_attention
+        self.original_varlen = TorchBackend.sdpa_varlen_raw
         self.strict = strict
 
 
@@ -61,28 +65,32 @@ _patch: Optional[_Patch] = None
 
 
 def enable(strict: bool = False) -> None:
-    """Route ``rf.dot_attention`` on RETURNN's torch backend to dimattn (process-wide).
-    ``strict``: a call dimattn cannot take raises dimattn.Error instead of running
-    RETURNN's implementation. Enabling again only updates ``strict``."""
+    """Route ``rf.dot_attention`` on RETURNN's torch backend to dimattn (process-wide),
+    packed operands (``rf.pack``) included. ``strict``: a call dimattn cannot take
+    raises dimattn.Error instead of running RETURNN's implementation. Enabling again
+    only updates ``strict``."""
     global _patch
     if _patch is None:
         _patch = _Patch(strict)
-        setattr(TorchBackend, _HOOK, _patch.installed)
+        for name, (_, ours) in _patch.hooks.items():
+            setattr(TorchBackend, name, ours)
     _patch.strict = bool(strict)
 
 
 def disable() -> None:
-    """Restore what ``TorchBackend.scaled_dot_product_attention`` was before enable()."""
+    """Restore what TorchBackend's attributes were before enable()."""
     global _patch
     if _patch is None:
         return
-    if TorchBackend.__dict__.get(_HOOK) is not _patch.installed:
-        raise da.Error("[dimattn.returnn] TorchBackend.scaled_dot_product_attention was replaced by someone else "
-                       "after enable(); restoring it would drop their change: undo theirs first")
-    if _patch.saved is _ABSENT:
-        delattr(TorchBackend, _HOOK)
-    else:
-        setattr(TorchBackend, _HOOK, _patch.saved)
+    for name, (_, ours) in _patch.hooks.items():
+        if TorchBackend.__dict__.get(name) is not ours:
+            raise da.Error(f"[dimattn.returnn] TorchBackend.{name} was replaced by someone else after enable(); "
+                           f"restoring it would drop their change: undo theirs first")
+    for name, (saved, _) in _patch.hooks.items():
+        if saved is _ABSENT:
+            delattr(TorchBackend, name)
+        else:
+            setattr(TorchBackend, name, saved)
     _patch = None
 
 
@@ -429,6 +437,37 @@ def _scaled_dot_product_attention(cls, query: RfTensor, key: RfTensor, value: Rf
     for t in traces:
         t.records.append(da.AttentionTrace(record.kernel, result, *((energy, weights) if t.capture_tensors else ())))
     return result
+
+
+def _sdpa_varlen_raw(**kw) -> Optional[torch.Tensor]:
+    """TorchBackend.sdpa_varlen_raw while routing is enabled: RETURNN's packed backend
+    hands its packed ``[tokens, heads, D]`` buffers with their sequences' starts and
+    lengths (returnn/frontend/_backend.py documents the arguments) to
+    dimattn.packed_attention. A call dimattn cannot take returns what RETURNN's own
+    hook returns (None: RETURNN then takes its other packed paths), counted with its
+    reason; so does a call whose selection is dimattn's reference path. Not recorded
+    by trace()."""
+    patch = _patch
+    try:
+        call = PackedCall(kw["query"], kw["key"], kw["value"], kw["seq_starts_q"], kw["seq_lens_q"],
+                          kw["seq_starts_kv"], kw["seq_lens_kv"], kw["max_len_q"], kw["max_len_kv"],
+                          causal=kw["is_causal"], dropout_p=kw["dropout_p"], scale=kw["scale"],
+                          op="dimattn.returnn packed")
+    except da.Error as why:
+        if patch.strict:
+            raise da.Error(f"[dimattn.returnn] RETURNN's packed attention cannot run on dimattn: {why}; disable "
+                           f"strict mode to let RETURNN take its own packed paths for such calls") from None
+        _count("fallback", f"packed: {why}")
+        return patch.original_varlen(**kw)
+    if call.query is None:  # no token attends: nothing to select
+        return call.run()
+    decision = _decision(call.query, call.keys, call.values, call.kwargs)
+    if decision.kernel == "reference":
+        _count("reference", "dimattn selected its reference path (packed)")
+        return patch.original_varlen(**kw)
+    out = call.run()
+    _count("routed", decision.kernel)
+    return out
 
 
 def _returnn_tensor(raw: torch.Tensor, dims: List[RfDim], value: RfTensor) -> RfTensor:
