@@ -7,7 +7,7 @@ one causal call over the whole packed length T (what a document-unaware model pa
         ~/.cache/dimattn/venv/bin/python bench/packed_sequences.py [--quick]
 
 Per sequence split and dtype: median wall time over interleaved rounds (every variant
-once per round, so load drifts reach all alike) of forward, and of forward + backward
+once per round, so load drifts reach all alike; --cpu-time: the process's CPU time) of forward, and of forward + backward
 (the gradients of q, k, v), causal, [tokens, heads, D] operands. Ratios: packed over
 one-by-one (goal ≤ 1.1x, issue 28), and packed over full causal against the attended
 area Σ lᵢ² / T².
@@ -31,12 +31,12 @@ def splits(T, quick):
     return dict(list(rows.items())[:1]) if quick else rows
 
 
-def timed(fn, reps):
+def timed(fn, reps, clock):
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return times
 
 
@@ -48,14 +48,17 @@ def main():
     ap.add_argument("--dtype", default="float32,bfloat16")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time by the process's CPU time (with --threads 1: robust to other processes' load)")
     ap.add_argument("--quick", action="store_true", help="T=256, one split, float32, 2 rounds: a smoke run")
     a = ap.parse_args()
     if a.quick:
         a.T, a.dtype, a.rounds = 256, "float32", 2
     torch.set_num_threads(a.threads)
+    clock = time.process_time if a.cpu_time else time.perf_counter
     flags = sorted({f for line in open("/proc/cpuinfo") if line.startswith("flags")
                     for f in line.split(":")[1].split() if f.startswith("avx512") or f in ("avx2", "fma")})
-    print(f"bench/packed_sequences.py T={a.T} heads={a.heads} D={a.D}, {a.threads} threads, torch {torch.__version__}, "
+    print(f"bench/packed_sequences.py T={a.T} heads={a.heads} D={a.D}, {a.threads} threads, {'CPU' if a.cpu_time else 'wall'} time, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {os.getloadavg()}")
     print(f"CPU flags: {' '.join(flags)}\n")
     print("| dtype | sequences | attended Σl²/T² | fwd ms packed / one by one / full causal | packed / one by one "
@@ -99,9 +102,9 @@ def main():
             for _ in range(a.rounds):
                 with torch.no_grad():
                     for key, fn in variants.items():
-                        fwd[key] += timed(fn, 1)
+                        fwd[key] += timed(fn, 1, clock)
                 for key, fn in variants.items():
-                    both[key] += timed(backward(fn), 1)
+                    both[key] += timed(backward(fn), 1, clock)
             cells = []
             for m in (fwd, both):
                 ms = {key: statistics.median(x) * 1e3 for key, x in m.items()}

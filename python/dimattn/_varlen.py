@@ -63,11 +63,14 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 class PackedCall:
-    """A packed call as dot_attention over ``[seq, time, kv_heads, group, feat]``:
-    the named operands (``query``, ``keys``, ``values``, None when no token attends),
-    the call's keyword arguments (``kwargs``) and the scatter of its output back to
-    the packed rows (``finish``). dimattn.returnn asks the selection about it before
-    it runs."""
+    """A packed call as dot_attention calls over ``[seq, time, kv_heads, group,
+    feat]``, one per bucket of sequences of similar length (``buckets``: named
+    operands and keyword arguments; none when no token attends), and the scatter of
+    their outputs back to the packed rows (``run``). A bucket holds the sequences whose
+    longer side falls in one power-of-two range, padded to its longest: each sequence
+    is padded by less than its own length, so the copies stay within twice the tokens
+    whatever the spread of lengths. dimattn.returnn asks the selection about the
+    first bucket before it runs."""
 
     def __init__(self, query, key, value, starts_q, lens_q, starts_k, lens_k, max_len_q, max_len_k, *, causal,
                  dropout_p, scale, op):
@@ -76,21 +79,48 @@ class PackedCall:
                              max_len_k)
         if not 0.0 <= dropout_p < 1.0:
             raise Error(f"[{op}] dropout_p must be in [0, 1), got {dropout_p}")
-        H, Hkv, Dv = query.shape[1], key.shape[1], value.shape[2]
-        self.shape = (query.shape[0], H, Dv)
+        self.shape = (query.shape[0], query.shape[1], value.shape[2])
         self.inputs = (query, key, value)
-        self.query = self.keys = self.values = None
+        self.buckets = []
         if query.shape[0] == 0 or n == 0 or key.shape[0] == 0:
             return
+        lq, lk = lens_q.to(torch.int64), lens_k.to(torch.int64)
+        longer = torch.maximum(lq, lk)
+        size_class = torch.where(longer > 0, torch.ceil(torch.log2(longer.clamp(min=1).double())), -1).long()
+        for c in torch.unique(size_class).tolist():
+            if c < 0 and (lq[size_class == c] == 0).all():
+                continue  # sequences without queries: no rows to compute
+            pick = (size_class == c).nonzero().flatten()
+            self.buckets.append(_Bucket(query, key, value, starts_q[pick], lq[pick], starts_k[pick], lk[pick],
+                                        causal=causal, dropout_p=dropout_p, scale=scale))
+
+    def run(self) -> torch.Tensor:
+        """The packed ``[tokens_q, heads, Dv]`` output: the buckets' rows scattered
+        back, 0 in gap rows (all 0, still on the autograd graph, when nothing attends)."""
+        query, key, value = self.inputs
+        result = query.new_zeros(self.shape)
+        if not self.buckets:
+            return result + 0 * (query.sum() + key.sum() + value.sum())
+        outs = [b.rows(dot_attention(b.query, b.keys, b.values, **b.kwargs)) for b in self.buckets]
+        tokens = torch.cat([b.tokens for b in self.buckets])
+        return result.index_copy(0, tokens, torch.cat(outs))
+
+
+class _Bucket:
+    """Sequences padded to their longest as named operands, and the packed token of
+    each real query row (``tokens``)."""
+
+    def __init__(self, query, key, value, starts_q, lq, starts_k, lk, *, causal, dropout_p, scale):
+        n, H, Hkv, Dv = lq.numel(), query.shape[1], key.shape[1], value.shape[2]
+        max_q, max_k = int(lq.max()), int(lk.max())
         seq, heads, group = Dim("seq", n), Dim("kv_heads", Hkv), Dim("group", H // Hkv)
         feat, vfeat = Dim("feat", query.shape[2]), Dim("vfeat", Dv)
-        lq, lk = lens_q.to(torch.int64), lens_k.to(torch.int64)
         # Equal lengths: one time dim for both sides, self-attention over it.
-        shared = max_len_q == max_len_k and torch.equal(lq, lk)
+        shared = torch.equal(lq, lk)
         tq = Dim.dynamic("time_q", Tensor(lq, [seq]))
         tk = tq if shared else Dim.dynamic("time_kv", Tensor(lk, [seq]))
-        rows_q, valid_q = _padded_rows(starts_q, lq, max_len_q)
-        rows_k, _ = _padded_rows(starts_k, lk, max_len_k)
+        rows_q, valid_q = _padded_rows(starts_q, lq, max_q)
+        rows_k, _ = _padded_rows(starts_k, lk, max_k)
         self.query = Tensor(query.reshape(-1, Hkv, H // Hkv, query.shape[2])[rows_q], [seq, tq, heads, group, feat])
         self.keys = Tensor(key[rows_k], [seq, tk, heads, feat])
         self.values = Tensor(value[rows_k], [seq, tk, heads, vfeat])
@@ -98,23 +128,13 @@ class PackedCall:
                            causal_offset=Tensor(lk - lq, [seq]) if causal and not shared else None, scale=scale,
                            train=dropout_p > 0)
         self._out_dims = [seq, tq, heads, group, vfeat]
-        self._tokens = rows_q[valid_q]  # the packed row of each real padded row
-        self._rows = torch.arange(n * max_len_q, device=query.device).reshape(n, max_len_q)[valid_q]
+        self._shape = (H, Dv)
+        self.tokens = rows_q[valid_q]
+        self._rows = torch.arange(n * max_q, device=query.device).reshape(n, max_q)[valid_q]
 
-    def run(self) -> torch.Tensor:
-        if self.query is None:
-            return self.finish(None)
-        return self.finish(dot_attention(self.query, self.keys, self.values, **self.kwargs))
-
-    def finish(self, out: Optional[Tensor]) -> torch.Tensor:
-        """The packed ``[tokens_q, heads, Dv]`` output: dot_attention's rows scattered
-        back, 0 in gap rows (all 0, still on the autograd graph, when nothing attends)."""
-        query, key, value = self.inputs
-        result = query.new_zeros(self.shape)
-        if out is None:
-            return result + 0 * (query.sum() + key.sum() + value.sum())
-        padded = out.raw_in(self._out_dims).reshape(-1, self.shape[1], self.shape[2])
-        return result.index_copy(0, self._tokens, padded[self._rows])
+    def rows(self, out: Tensor) -> torch.Tensor:
+        """The output rows of the real queries, in the order of ``tokens``."""
+        return out.raw_in(self._out_dims).reshape(-1, *self._shape)[self._rows]
 
 
 def _padded_rows(starts: torch.Tensor, lens: torch.Tensor, max_len: int):
