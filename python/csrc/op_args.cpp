@@ -6,6 +6,7 @@
 #include <optional>
 #include <utility>
 
+#include "dimattn/error.h"
 #include "dimattn/variants.h"
 
 namespace dimattn::python {
@@ -69,14 +70,16 @@ void add_key(std::string& key, const c10::IValue& v) {
   }
 }
 
-// The arguments before the variants (Arg), and context parallelism's (CpArg).
+// The call's arguments (Arg), the full group's options (MoreArg) and context
+// parallelism's (CpArg).
 constexpr std::pair<const char*, const char*> kFixedArguments[] = {
-    {"Tensor", "query"}, {"Tensor", "keys"}, {"Tensor", "values"}, {"str[]", "query_dims"}, {"str[]", "keys_dims"},
-    {"str[]", "values_dims"}, {"str[]", "out_dims"}, {"str", "key_dim"}, {"str", "axis"}, {"str[]?", "force"},
-    {"bool?", "train"}, {"float?", "dropout"}, {"Tensor[]?", "lengths"}, {"str[]?", "lengths_of"},
-    {"str[]?", "lengths_dims"}, {"Tensor?", "seed"}, {"str?", "causal"}, {"Tensor?", "causal_offset"},
-    {"str[]?", "causal_offset_dims"}, {"float?", "scale"}, {"bool?", "dropout_broadcast"}, {"str?", "query_position"},
-    {"str[]?", "size_names"}, {"int[]?", "sizes"}};
+    {"Tensor", "query"}, {"Tensor", "keys"}, {"Tensor", "values"}, {"str[]", "dims"}, {"str", "key_dim"},
+    {"str", "axis"}, {"str[]?", "force"}, {"bool?", "train"}, {"float?", "dropout"}, {"Tensor[]?", "lengths"},
+    {"str[]?", "lengths_of"}, {"str[]?", "lengths_dims"}, {"Tensor?", "seed"}, {"str?", "causal"},
+    {"Tensor?", "causal_offset"}, {"str[]?", "causal_offset_dims"}, {"float?", "scale"}};
+constexpr std::pair<const char*, const char*> kMoreArguments[] = {
+    {"bool?", "dropout_broadcast"}, {"str?", "query_position"}, {"str[]?", "size_names"}, {"int[]?", "sizes"}};
+static_assert(std::size(kMoreArguments) == static_cast<size_t>(MoreArg::count_), "one entry per MoreArg");
 static_assert(std::size(kFixedArguments) == static_cast<size_t>(Arg::count_), "one entry per Arg");
 constexpr std::pair<const char*, const char*> kCpArguments[] = {
     {"str?", "cp_group"}, {"str?", "cp_sharding"}, {"str?", "cp_strategy"}, {"float?", "cp_timeout"},
@@ -94,11 +97,12 @@ void for_each_argument(Parts parts, F fn) {
   };
   for (const auto& a : kFixedArguments) fixed(a);
   if (parts == Parts::call) return;
+  for (const auto& a : kMoreArguments) fixed(a);
   for_each_variant_field([&](const char* name, const FieldArgs& a) {
     fn(a.schema, std::string(name));
     if (a.count == 2) fn("", std::string(name) + "_dims");
   });
-  if (parts == Parts::variants) return;
+  if (parts == Parts::full) return;
   for (const auto& a : kCpArguments) fixed(a);
 }
 
@@ -119,11 +123,11 @@ std::string call_schema_arguments(Parts parts, const std::string& leading, const
 }
 
 ArgumentNames argument_names() {
-  const std::vector<std::string> call = names_in(Parts::call), variants = names_in(Parts::variants),
+  const std::vector<std::string> call = names_in(Parts::call), full = names_in(Parts::full),
                                  all = names_in(Parts::context_parallel);
   return {{call.begin() + 3, call.end()},
-          {variants.begin() + static_cast<std::ptrdiff_t>(call.size()), variants.end()},
-          {all.begin() + static_cast<std::ptrdiff_t>(variants.size()), all.end()}};
+          {full.begin() + static_cast<std::ptrdiff_t>(call.size()), full.end()},
+          {all.begin() + static_cast<std::ptrdiff_t>(full.size()), all.end()}};
 }
 
 std::vector<std::string> variant_fields() {
@@ -133,15 +137,41 @@ std::vector<std::string> variant_fields() {
 }
 
 size_t OpArgs::count(Parts parts) {
-  static const size_t call = static_cast<size_t>(Arg::count_), variants = call + variant_arg_count(),
-                      all = variants + static_cast<size_t>(CpArg::count_);
-  return parts == Parts::call ? call : parts == Parts::variants ? variants : all;
+  static const size_t call = static_cast<size_t>(Arg::count_),
+                      full = call + static_cast<size_t>(MoreArg::count_) + variant_arg_count(),
+                      all = full + static_cast<size_t>(CpArg::count_);
+  return parts == Parts::call ? call : parts == Parts::full ? full : all;
+}
+
+namespace {
+const c10::IValue kNone;
+}  // namespace
+
+const c10::IValue& OpArgs::operator[](MoreArg a) const {
+  if (parts_ == Parts::call) return kNone;
+  return first_[static_cast<size_t>(Arg::count_) + static_cast<size_t>(a)];
 }
 
 const c10::IValue& OpArgs::operator[](CpArg a) const {
-  static const c10::IValue none;
-  if (parts_ != Parts::context_parallel) return none;
-  return first_[count(Parts::variants) + static_cast<size_t>(a)];
+  if (parts_ != Parts::context_parallel) return kNone;
+  return first_[count(Parts::full) + static_cast<size_t>(a)];
+}
+
+OpArgs::OperandNames OpArgs::operand_names() const {
+  const std::vector<std::string> all = names_of((*this)[Arg::dims]);
+  OperandNames n;
+  size_t at = 0;
+  for (auto [operand, names] : {std::pair{Arg::query, &n.query}, std::pair{Arg::keys, &n.keys},
+                                std::pair{Arg::values, &n.values}}) {
+    const auto rank = static_cast<size_t>((*this)[operand].toTensor().dim());
+    if (at + rank > all.size())
+      throw Error("[dot_attention] dims holds " + std::to_string(all.size()) + " names, too few for the ranks of " +
+                  "query, keys and values");
+    names->assign(all.begin() + static_cast<std::ptrdiff_t>(at), all.begin() + static_cast<std::ptrdiff_t>(at + rank));
+    at += rank;
+  }
+  n.out.assign(all.begin() + static_cast<std::ptrdiff_t>(at), all.end());
+  return n;
 }
 
 std::string OpArgs::structure_key() const {

@@ -1,33 +1,34 @@
 #pragma once
 // The arguments of the dot_attention ops: typed torch schema arguments in
-// three groups, the variants' group made from the C++ variants type
+// three groups, the second's variants part made from the C++ variants type
 // (AttentionVariants::for_each_field), so that a new variant reaches Python
 // without a change here. Dims cross as names (a framework maps its own dim
 // objects onto them); names are unique within a call.
 //
-//   call:      Tensor query, Tensor keys, Tensor values,
-//              str[] query_dims, str[] keys_dims, str[] values_dims, str[] out_dims,
-//              str key_dim, str axis, str[]? force, bool? train, float? dropout,
-//              Tensor[]? lengths, str[]? lengths_of, str[]? lengths_dims, Tensor? seed,
-//              str? causal, Tensor? causal_offset, str[]? causal_offset_dims,
-//              float? scale, bool? dropout_broadcast, str? query_position,
-//              str[]? size_names, int[]? sizes
-//   variants:  per field of AttentionVariants by its kind: a number `float? NAME`,
-//              a flag `bool? NAME`, the window `int?[]? NAME` ([left, right],
-//              None = unbounded), a tensor `Tensor? NAME, str[]? NAME_dims`
+//   call:  Tensor query, Tensor keys, Tensor values, str[] dims, str key_dim,
+//          str axis, str[]? force, bool? train, float? dropout, Tensor[]? lengths,
+//          str[]? lengths_of, str[]? lengths_dims, Tensor? seed, str? causal,
+//          Tensor? causal_offset, str[]? causal_offset_dims, float? scale
+//   full:  the rarer options: bool? dropout_broadcast, str? query_position,
+//          str[]? size_names, int[]? sizes; then the variants, per field of
+//          AttentionVariants by its kind: a number `float? NAME`, a flag
+//          `bool? NAME`, the window `int?[]? NAME` ([left, right], None =
+//          unbounded), a tensor `Tensor? NAME, str[]? NAME_dims`
 //   context parallelism: str? cp_group (the c10d group's name), str? cp_sharding
-//              (contiguous), str? cp_strategy (ring), float? cp_timeout,
-//              Tensor? cp_lengths, str[]? cp_lengths_dims
+//          (contiguous), str? cp_strategy (ring), float? cp_timeout,
+//          Tensor? cp_lengths, str[]? cp_lengths_dims
 //
-// dot_attention takes the call's group, dot_attention.variants the call's and
-// the variants', context_parallel_attention all three; the backward, trace
-// and explain ops the call's and the variants'. Every argument after axis is
+// dot_attention takes the call's group, dot_attention.full the call's and the
+// full group, context_parallel_attention all three; the backward, trace and
+// explain ops the call's and the full group. Every argument after axis is
 // optional with the default None (= unset, false, 0), so that a caller passes
 // a call positionally up to its last set argument: each argument of an op,
 // passed or defaulted, costs its Python caller about a thousand instructions
-// per call (docs/perf.md), keywords more, so a call without variants takes the
-// op without them and the common arguments come first. argument_names() gives
-// each group's names in order.
+// per call (docs/perf.md), keywords more, so the common call takes the op with
+// the fewest arguments. argument_names() gives each group's names in order.
+// - dims: the names of the query's dims, then the keys', the values' and the
+//   result's, in their orders (split by the operands' ranks; the result's are
+//   the rest);
 // - dynamic dims: lengths[i] are the lengths of dim lengths_of[i]; the names
 //   of each lengths tensor's dims follow one another in lengths_dims (each
 //   tensor's rank of them, in order);
@@ -46,17 +47,18 @@ namespace dimattn::python {
 // The arguments before the variants, in schema order (kFixedArguments in
 // op_args.cpp names them).
 enum class Arg : size_t {
-  query, keys, values, query_dims, keys_dims, values_dims, out_dims, key_dim, axis, force, train, dropout, lengths,
-  lengths_of, lengths_dims, seed, causal, causal_offset, causal_offset_dims, scale, dropout_broadcast,
-  query_position, size_names, sizes, count_
+  query, keys, values, dims, key_dim, axis, force, train, dropout, lengths, lengths_of, lengths_dims, seed, causal,
+  causal_offset, causal_offset_dims, scale, count_
 };
+// The full group's options, before its variants.
+enum class MoreArg : size_t { dropout_broadcast, query_position, size_names, sizes, count_ };
 // Context parallelism's, after the variants.
 enum class CpArg : size_t { group, sharding, strategy, timeout, lengths, lengths_dims, count_ };
 
-// Which argument groups an op takes after the call's own: its variants
-// (dot_attention.variants, and the ops that must see every call), and
-// context parallelism's (context_parallel_attention).
-enum class Parts { call, variants, context_parallel };
+// Which argument groups an op takes after the call's own: the full group
+// (the rarer options and the variants: dot_attention.full, and the ops that
+// must see every call), and context parallelism's (context_parallel_attention).
+enum class Parts { call, full, context_parallel };
 
 // "Tensor query, ...": the arguments of the groups up to `parts` as a
 // schema's argument list, after `leading` (e.g. "Tensor grad_output, ") and
@@ -66,7 +68,7 @@ std::string call_schema_arguments(Parts parts, const std::string& leading = "", 
 // The argument names of each group (the call's after query, keys and
 // values), in order.
 struct ArgumentNames {
-  std::vector<std::string> call, variants, context_parallel;
+  std::vector<std::string> call, full, context_parallel;
 };
 ArgumentNames argument_names();
 
@@ -83,12 +85,18 @@ class OpArgs {
   OpArgs(const c10::IValue* first, Parts parts) : first_(first), parts_(parts) {}
 
   const c10::IValue& operator[](Arg a) const { return first_[static_cast<size_t>(a)]; }
+  const c10::IValue& operator[](MoreArg a) const;
   const c10::IValue& operator[](CpArg a) const;
   // The first variant argument (they follow in for_each_field's order), or
   // nullptr for an op without them.
   const c10::IValue* variants() const {
-    return parts_ == Parts::call ? nullptr : first_ + static_cast<size_t>(Arg::count_);
+    return parts_ == Parts::call ? nullptr : first_ + static_cast<size_t>(Arg::count_) + static_cast<size_t>(MoreArg::count_);
   }
+  // The names of the query's, keys', values' and result's dims (split from dims).
+  struct OperandNames {
+    std::vector<std::string> query, keys, values, out;
+  };
+  OperandNames operand_names() const;
   // The first argument after the groups (the trace op's energy_dims).
   const c10::IValue& after() const { return first_[count(parts_)]; }
   // How many IValues the groups up to `parts` take.

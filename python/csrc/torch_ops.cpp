@@ -1,13 +1,14 @@
 // dimattn's dot_attention as torch custom ops (TORCH_LIBRARY "dimattn"),
 // loaded by the Python package with torch.ops.load_library; no Python C-API.
-// Their arguments are typed, in groups (op_args.h): <call>, <variants>, <cp>.
+// Their arguments are typed, in groups (op_args.h): <call>, <full> (the rarer
+// options and the variants), <cp>.
 //
 //   dimattn::dot_attention(<call>) -> Tensor
-//   dimattn::dot_attention.variants(<call>, <variants>) -> Tensor
-//   dimattn::context_parallel_attention(<call>, <variants>, <cp>) -> Tensor
-//   dimattn::dot_attention_backward(Tensor grad_output, <call>, <variants>) -> (Tensor, Tensor, Tensor, Tensor[])
-//   dimattn::dot_attention_trace(<call>, <variants>, str[] energy_dims) -> (Tensor energy, Tensor att_weights)
-//   dimattn::explain(<call>, <variants>) -> (str kernel, str[] rejected, str[] reasons, str text)
+//   dimattn::dot_attention.full(<call>, <full>) -> Tensor
+//   dimattn::context_parallel_attention(<call>, <full>, <cp>) -> Tensor
+//   dimattn::dot_attention_backward(Tensor grad_output, <call>, <full>) -> (Tensor, Tensor, Tensor, Tensor[])
+//   dimattn::dot_attention_trace(<call>, <full>, str[] energy_dims) -> (Tensor energy, Tensor att_weights)
+//   dimattn::explain(<call>, <full>) -> (str kernel, str[] rejected, str[] reasons, str text)
 //   dimattn::kernel_names() -> str[]
 //   dimattn::variant_fields() -> str[]        (name:kind of each variant field)
 //   dimattn::argument_names() -> (str[], str[], str[])   (each group's names)
@@ -171,18 +172,16 @@ struct CallPlan {
   Names q_names, k_names, v_names, out_names;
   Dims q, k, v;  // the operands' Dims, for a call without dynamic dims
 
-  explicit CallPlan(const OpArgs& a)
-      : q_names(names_of(a[Arg::query_dims])),
-        k_names(names_of(a[Arg::keys_dims])),
-        v_names(names_of(a[Arg::values_dims])),
-        out_names(names_of(a[Arg::out_dims])) {
+  explicit CallPlan(const OpArgs& a) : CallPlan(a, a.operand_names()) {}
+  CallPlan(const OpArgs& a, OpArgs::OperandNames n)
+      : q_names(std::move(n.query)), k_names(std::move(n.keys)), v_names(std::move(n.values)), out_names(std::move(n.out)) {
     std::map<std::string, int64_t> sizes;
     take_sizes(sizes, "query", q_names, a[Arg::query].toTensor());
     take_sizes(sizes, "keys", k_names, a[Arg::keys].toTensor());
     take_sizes(sizes, "values", v_names, a[Arg::values].toTensor());
     for (const NamedArg& n : named_args(a)) take_sizes(sizes, n.what, n.dims, n.tensor);
-    const Names size_names = names_of(a[Arg::size_names]);
-    const std::vector<int64_t> given = a[Arg::sizes].isNone() ? std::vector<int64_t>{} : a[Arg::sizes].toIntVector();
+    const Names size_names = names_of(a[MoreArg::size_names]);
+    const std::vector<int64_t> given = a[MoreArg::sizes].isNone() ? std::vector<int64_t>{} : a[MoreArg::sizes].toIntVector();
     if (given.size() != size_names.size())
       fail(std::to_string(given.size()) + " sizes for " + std::to_string(size_names.size()) + " size_names");
     for (size_t i = 0; i < given.size(); ++i) sizes.try_emplace(size_names[i], given[i]);
@@ -337,12 +336,12 @@ Call make_call(const OpArgs& a) {
   c.v = from_aten(a[Arg::values].toTensor(), t.operand(p.v, p.v_names));
   AttentionOptions& o = c.opts;
   o.att_dropout = number_of(a[Arg::dropout], 0.0);
-  o.att_dropout_broadcast = flag_of(a[Arg::dropout_broadcast]);
+  o.att_dropout_broadcast = flag_of(a[MoreArg::dropout_broadcast]);
   if (const auto causal = opt_string(a[Arg::causal])) o.causal_query_spatial_dim = t[*causal];
   if (!a[Arg::causal_offset].isNone())
     o.causal_offset = from_aten(a[Arg::causal_offset].toTensor(), t.dims(names_of(a[Arg::causal_offset_dims])));
   if (!a[Arg::scale].isNone()) o.scale = a[Arg::scale].toDouble();
-  if (const auto pos = opt_string(a[Arg::query_position])) o.query_position_dim = t[*pos];
+  if (const auto pos = opt_string(a[MoreArg::query_position])) o.query_position_dim = t[*pos];
   if (const c10::IValue* v = a.variants()) {
     auto named = [&](const char*, const at::Tensor& x, const Names& names) {
       return std::optional<Tensor>(from_aten(x, t.dims(names)));
@@ -415,7 +414,7 @@ std::vector<size_t> learnable_args(const OpArgs& a) {
   std::vector<size_t> out;
   const c10::IValue* v = a.variants();
   if (v == nullptr) return out;
-  size_t at = static_cast<size_t>(Arg::count_);
+  auto at = static_cast<size_t>(v - &a[Arg::query]);
   AttentionVariants none;
   AttentionVariants::for_each_field(none, [&](const char* name, const auto& field) {
     using T = std::decay_t<decltype(field)>;
@@ -437,7 +436,7 @@ OpArgs call_on(torch::jit::Stack* stack, Parts parts, size_t extra = 0) {
   return OpArgs(&*(stack->end() - static_cast<std::ptrdiff_t>(OpArgs::count(parts) + extra)), parts);
 }
 
-// dot_attention (Parts::call), dot_attention.variants (Parts::variants) and
+// dot_attention (Parts::call), dot_attention.full (Parts::full) and
 // context_parallel_attention (Parts::context_parallel).
 template <Parts parts>
 void dot_attention_op(const c10::OperatorHandle&, torch::jit::Stack* stack) {
@@ -451,13 +450,13 @@ void dot_attention_op(const c10::OperatorHandle&, torch::jit::Stack* stack) {
 }
 
 void dot_attention_backward_op(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  const size_t n = OpArgs::count(Parts::variants);
+  const size_t n = OpArgs::count(Parts::full);
   const at::Tensor grad_out = (stack->end() - static_cast<std::ptrdiff_t>(n) - 1)->toTensor();
   // The call's arguments with autograd leaves for query, keys, values and the
   // learnable tensors, the inputs of the gradient.
   std::vector<c10::IValue> args(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
   std::vector<at::Tensor> inputs;
-  const std::vector<size_t> learning = learnable_args(OpArgs(args.data(), Parts::variants));
+  const std::vector<size_t> learning = learnable_args(OpArgs(args.data(), Parts::full));
   for (size_t i : {static_cast<size_t>(Arg::query), static_cast<size_t>(Arg::keys), static_cast<size_t>(Arg::values)}) {
     args[i] = args[i].toTensor().detach().requires_grad_(true);
     inputs.push_back(args[i].toTensor());
@@ -474,7 +473,7 @@ void dot_attention_backward_op(const c10::OperatorHandle&, torch::jit::Stack* st
     keys.excluded_ = keys.excluded_ - c10::autograd_dispatch_keyset_with_ADInplaceOrView;
     const c10::impl::ForceDispatchKeyGuard with_autograd(keys);
     const at::AutoGradMode grad_on(true);
-    const OpArgs a(args.data(), Parts::variants);
+    const OpArgs a(args.data(), Parts::full);
     const Call c = make_call(a);
     const RunScope scope(a);
     const Tensor out = dot_attention(*c.q, *c.k, *c.v, c.opts);
@@ -496,7 +495,7 @@ void dot_attention_backward_op(const c10::OperatorHandle&, torch::jit::Stack* st
 }
 
 void dot_attention_trace_op(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  const OpArgs a = call_on(stack, Parts::variants, 1);  // and energy_dims
+  const OpArgs a = call_on(stack, Parts::full, 1);  // and energy_dims
   const Names energy_names = names_of(a.after());
   const Call c = make_call(a);
   const RunScope scope(a);
@@ -524,13 +523,13 @@ void dot_attention_trace_op(const c10::OperatorHandle&, torch::jit::Stack* stack
     return to_aten(x).permute(perm).contiguous().clone();
   };
   at::Tensor energy = ordered(*r.energy), weights = ordered(*r.att_weights);
-  torch::jit::drop(*stack, OpArgs::count(Parts::variants) + 1);
+  torch::jit::drop(*stack, OpArgs::count(Parts::full) + 1);
   stack->emplace_back(std::move(energy));
   stack->emplace_back(std::move(weights));
 }
 
 void explain_op(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  const OpArgs a = call_on(stack, Parts::variants);
+  const OpArgs a = call_on(stack, Parts::full);
   const Call c = make_call(a);
   const RunScope scope(a);
   const Decision d = explain_attention(*c.q, *c.k, *c.v, c.opts);
@@ -540,7 +539,7 @@ void explain_op(const c10::OperatorHandle&, torch::jit::Stack* stack) {
     reasons.push_back(r.reason);
   }
   std::string text = d.explain();
-  torch::jit::drop(*stack, OpArgs::count(Parts::variants));
+  torch::jit::drop(*stack, OpArgs::count(Parts::full));
   stack->emplace_back(d.kernel);
   stack->emplace_back(std::move(kernels));
   stack->emplace_back(std::move(reasons));
@@ -551,7 +550,7 @@ std::vector<std::string> kernel_names_op() { return all_kernel_names(); }
 std::vector<std::string> variant_fields_op() { return variant_fields(); }
 std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>> argument_names_op() {
   ArgumentNames n = argument_names();
-  return {std::move(n.call), std::move(n.variants), std::move(n.context_parallel)};
+  return {std::move(n.call), std::move(n.full), std::move(n.context_parallel)};
 }
 
 // --- autograd ---
@@ -571,7 +570,7 @@ class DotAttentionFunction : public torch::autograd::Function<DotAttentionFuncti
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList /*inputs: in args*/,
                             const c10::IValue& args) {
     ctx->saved_data["args"] = args;
-    return call_below_autograd("dimattn::dot_attention", "variants", args.toListRef().vec())[0].toTensor();
+    return call_below_autograd("dimattn::dot_attention", "full", args.toListRef().vec())[0].toTensor();
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -586,7 +585,15 @@ class DotAttentionFunction : public torch::autograd::Function<DotAttentionFuncti
   }
 };
 
-// dot_attention and dot_attention.variants on the Autograd key.
+// Whether t is a tracing wrapper rather than data: torch.compile's fake and
+// functional tensors, torch.func's transforms.
+bool traced(const at::Tensor& t) {
+  static const c10::DispatchKeySet wrappers({c10::DispatchKey::Python, c10::DispatchKey::Functionalize,
+                                             c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::FuncTorchBatched});
+  return t.key_set().has_any(wrappers);
+}
+
+// dot_attention and dot_attention.full on the Autograd key.
 template <Parts parts>
 void dot_attention_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   // Nothing to record (inference): straight to the device kernel.
@@ -598,11 +605,23 @@ void dot_attention_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet k
   for (const Arg t : {Arg::query, Arg::keys, Arg::values}) inputs.push_back(a[t].toTensor());
   for (const size_t i : learnable_args(a)) inputs.push_back((&a[Arg::query])[i].toTensor());
   if (std::none_of(inputs.begin(), inputs.end(), [](const at::Tensor& t) { return t.requires_grad(); })) return below();
-  // The saved call holds every variant argument (None where an op has none),
-  // as dot_attention.variants and the backward op take them.
+  if (std::none_of(inputs.begin(), inputs.end(), traced)) {
+    // Eager: the torch backend's own autograd records the call (its kernel's
+    // node saves the output and the lse), so backward runs the kernel's
+    // backward pass alone, without computing the forward pass again.
+    at::Tensor out = run(a);
+    torch::jit::drop(*stack, n);
+    stack->emplace_back(std::move(out));
+    return;
+  }
+  // Traced (torch.compile's fake and functional tensors, torch.func's
+  // wrappers): the op and its backward op, which recomputes the forward pass,
+  // so that the graph holds both as ops. The saved call holds every variant
+  // argument (None where an op has none),
+  // as dot_attention.full and the backward op take them.
   c10::impl::GenericList args(c10::AnyType::get());
   for (size_t i = 0; i < n; ++i) args.push_back((&a[Arg::query])[i]);
-  for (size_t i = n; i < OpArgs::count(Parts::variants); ++i) args.push_back(c10::IValue());
+  for (size_t i = n; i < OpArgs::count(Parts::full); ++i) args.push_back(c10::IValue());
   at::Tensor out = DotAttentionFunction::apply(at::TensorList(inputs), c10::IValue(args));
   torch::jit::drop(*stack, n);
   stack->emplace_back(std::move(out));
@@ -624,12 +643,12 @@ TORCH_LIBRARY(dimattn, m) {
   using dimattn::python::Parts;
   for (const std::string& schema :
        {"dot_attention(" + call_schema_arguments(Parts::call) + ") -> Tensor",
-        "dot_attention.variants(" + call_schema_arguments(Parts::variants) + ") -> Tensor",
+        "dot_attention.full(" + call_schema_arguments(Parts::full) + ") -> Tensor",
         "context_parallel_attention(" + call_schema_arguments(Parts::context_parallel) + ") -> Tensor",
-        "dot_attention_backward(" + call_schema_arguments(Parts::variants, "Tensor grad_output, ") +
+        "dot_attention_backward(" + call_schema_arguments(Parts::full, "Tensor grad_output, ") +
             ") -> (Tensor, Tensor, Tensor, Tensor[])",
-        "dot_attention_trace(" + call_schema_arguments(Parts::variants, "", ", str[] energy_dims") + ") -> (Tensor, Tensor)",
-        "explain(" + call_schema_arguments(Parts::variants) + ") -> (str, str[], str[], str)"})
+        "dot_attention_trace(" + call_schema_arguments(Parts::full, "", ", str[] energy_dims") + ") -> (Tensor, Tensor)",
+        "explain(" + call_schema_arguments(Parts::full) + ") -> (str, str[], str[], str)"})
     m.def(schema.c_str());
   m.def("kernel_names() -> str[]", &dimattn::python::kernel_names_op);
   m.def("variant_fields() -> str[]", &dimattn::python::variant_fields_op);
@@ -640,7 +659,7 @@ namespace {
 void register_device_kernels(torch::Library& m) {
   using namespace dimattn::python;
   m.impl("dot_attention", torch::CppFunction::makeFromBoxedFunction<&dot_attention_op<Parts::call>>());
-  m.impl("dot_attention.variants", torch::CppFunction::makeFromBoxedFunction<&dot_attention_op<Parts::variants>>());
+  m.impl("dot_attention.full", torch::CppFunction::makeFromBoxedFunction<&dot_attention_op<Parts::full>>());
   m.impl("context_parallel_attention",
          torch::CppFunction::makeFromBoxedFunction<&dot_attention_op<Parts::context_parallel>>());
   m.impl("dot_attention_backward", torch::CppFunction::makeFromBoxedFunction<&dot_attention_backward_op>());
@@ -654,6 +673,6 @@ TORCH_LIBRARY_IMPL(dimattn, CUDA, m) { register_device_kernels(m); }
 TORCH_LIBRARY_IMPL(dimattn, Autograd, m) {
   using namespace dimattn::python;
   m.impl("dot_attention", torch::CppFunction::makeFromBoxedFunction<&dot_attention_autograd<Parts::call>>());
-  m.impl("dot_attention.variants", torch::CppFunction::makeFromBoxedFunction<&dot_attention_autograd<Parts::variants>>());
+  m.impl("dot_attention.full", torch::CppFunction::makeFromBoxedFunction<&dot_attention_autograd<Parts::full>>());
   m.impl("context_parallel_attention", torch::CppFunction::makeFromBoxedFunction<&context_parallel_autograd>());
 }

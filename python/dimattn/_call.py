@@ -113,12 +113,12 @@ class Options:
 
 
 # The op's arguments after the operands, in order (python/csrc/op_args.h), in
-# three groups: the call's, its variants' (dot_attention.variants and the ops
-# that see every call take them) and context parallelism's
-# (context_parallel_attention). Every one from the first optional on may be
-# None, so a call passes them positionally up to its last set one (keywords
-# and each argument cost the caller more per call: a call without variants
-# takes the op without them).
+# three groups: the call's, the full group's (the rarer options and the
+# variants: dot_attention.full and the ops that see every call take them) and
+# context parallelism's (context_parallel_attention). Every one from the first
+# optional on may be None, so a call passes them positionally up to its last
+# set one (keywords and each argument an op has cost the caller more per call:
+# the common call takes the op with the fewest).
 _GROUPS = tuple(tuple(names) for names in ops.argument_names())
 ARGUMENT_NAMES = tuple(name for group in _GROUPS for name in group)
 _POSITION = {name: i for i, name in enumerate(ARGUMENT_NAMES)}
@@ -127,7 +127,7 @@ _ENDS = (len(_GROUPS[0]), len(_GROUPS[0]) + len(_GROUPS[1]), len(ARGUMENT_NAMES)
 _PER_CALL = {"lengths": "lengths_of", "causal_offset": "causal_offset_dims", "cp_lengths": "cp_lengths_dims",
              **{name: name + "_dims" for name in _variants.TENSOR_FIELDS}}
 # The forward op of each group.
-_FORWARD = (ops.dot_attention.default, ops.dot_attention.variants, ops.context_parallel_attention.default)
+_FORWARD = (ops.dot_attention.default, ops.dot_attention.full, ops.context_parallel_attention.default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,8 +158,8 @@ def encode(query: Tensor, keys: Tensor, values: Tensor, o: Options, variants, ou
            energy: Optional[Tuple[List[Dim], Dim]] = None, named: Sequence[Tuple[str, Tensor]] = ()) -> Encoding:
     """`named`: more tensor arguments, whose dims get the arguments NAME_dims."""
     names = Names()
-    a: Dict[str, object] = {"query_dims": names.of(query.dims), "keys_dims": names.of(keys.dims),
-                            "values_dims": names.of(values.dims), "out_dims": names.of(out)}
+    # The query's, the keys', the values' and the result's dims, in their orders.
+    a: Dict[str, object] = {"dims": names.of(query.dims) + names.of(keys.dims) + names.of(values.dims) + names.of(out)}
     sized = [d for d in (o.key_dim, o.axis, o.causal_query_spatial_dim, o.query_position_dim)
              if d is not None and not names.has(d) and d.size is not None]
     a["key_dim"], a["axis"] = names(o.key_dim), names(o.axis)
@@ -259,7 +259,7 @@ def run(op, query: Tensor, keys: Tensor, values: Tensor, e: Encoding, variants, 
     a = call_arguments(e, variants)
     if op is None:
         op = e.forward
-    else:  # the ops besides the forward ones take the call's and its variants' arguments
+    else:  # the ops besides the forward ones take the call's and the full group's arguments
         a += [None] * (_ENDS[1] - len(a))
     try:
         return op(query.raw, keys.raw, values.raw, *a, *trailing)

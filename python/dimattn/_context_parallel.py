@@ -3,13 +3,13 @@ torch.distributed process group (docs/distributed.md).
 
 Each rank passes its shard of query, keys and values along ``axis`` (self-attention:
 the query's positional dim and the kv axis are one dim, sharded alike) and gets its
-shard of the output. The op runs the whole call in C++ (frontend/src/
-context_parallel.cpp: blocks merged through their log-sum-exp, the ring or the
-all-gather over the c10d group, which it finds by the group's name in c10d's
-registry), forward and backward as one autograd node; here are the spec, the
-helpers that shard a tensor, and the encoding of a dynamic axis: its lengths (the
-whole sequence's) cross as the call's ``cp_lengths``, the axis itself as a static
-dim of the shard's size.
+shard of the output. The op ``dimattn::context_parallel_attention`` runs the whole
+call in C++ (``context_parallel_attention``, dimattn/context_parallel.h: blocks merged
+through their log-sum-exp, the ring or the all-gather over the c10d group, which it
+finds by the group's name in c10d's registry), forward and backward as one autograd
+node; here are the spec, the helpers that shard a tensor, and the encoding of a
+dynamic axis: its lengths (the whole sequence's) cross as the call's ``cp_lengths``,
+the axis itself as a static dim of the shard's size.
 
 Shardings: ``contiguous`` (rank r holds one run of positions, runs in rank order,
 any sizes) and ``load_balanced`` for causal attention (the sequence in 2N equal

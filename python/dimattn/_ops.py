@@ -45,14 +45,13 @@ def _named(args, kwargs) -> dict:
 
 
 @torch.library.register_fake("dimattn::dot_attention")
-@torch.library.register_fake("dimattn::dot_attention.variants")
+@torch.library.register_fake("dimattn::dot_attention.full")
 @torch.library.register_fake("dimattn::context_parallel_attention")
 def _dot_attention_fake(query, keys, values, *args, **kwargs):
-    a = _named(args, kwargs)
-    sizes = {}
-    for names, t in ((a["query_dims"], query), (a["keys_dims"], keys), (a["values_dims"], values)):
-        sizes.update(zip(names, t.shape))
-    return query.new_empty([sizes[n] for n in a["out_dims"]])
+    # dims: the query's, keys', values' and result's names, split by the ranks.
+    dims = _named(args, kwargs)["dims"]
+    sizes = dict(zip(dims, (*query.shape, *keys.shape, *values.shape)))
+    return query.new_empty([sizes[n] for n in dims[query.dim() + keys.dim() + values.dim():]])
 
 
 # The learnable variant tensors (their gradients are the backward op's list

@@ -139,3 +139,22 @@ def test_compile_dynamic_lengths_and_sizes_without_recompiling_and_forcing_insid
         lens = torch.tensor([t, 2])
         assert (compiled(q, q, q, lens) - f(q, q, q, lens)).abs().max() <= 1e-6
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1
+
+
+def test_eager_backward_reuses_the_forward_pass():
+    # Eager calls record the torch backend's own autograd node (cpu_flash's,
+    # which keeps the output and lse), so backward does not run the forward pass
+    # again through the backward op, as traced calls (torch.compile) do.
+    q, k, v, feat, kv, time = case(torch.float32)
+    q.raw.requires_grad_(True)
+    out = da.dot_attention(q, k, v, key_dim=feat, axis=kv)
+    names, stack = [], [out.raw.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None:
+            names.append(node.name())
+            stack += [n for n, _ in node.next_functions]
+    assert any("FlashFunction" in n for n in names), names
+    assert not any("DotAttentionFunction" in n for n in names), names
+    (g,) = torch.autograd.grad(out.raw.sum(), q.raw)
+    assert g.shape == q.raw.shape and g.abs().max() > 0
