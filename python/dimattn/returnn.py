@@ -22,7 +22,6 @@ license forbids distributing modified copies).
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 from numbers import Real
@@ -41,9 +40,6 @@ __all__ = ["enable", "disable", "enabled", "is_enabled", "is_strict", "stats", "
            "enable_from_config"]
 
 _ABSENT = object()  # TorchBackend had no attribute of its own (it inherited the generic one)
-
-# The reasons a call runs RETURNN's own implementation (docs/returnn.md lists them).
-PER_ROW_KV_LENGTHS = "per-query-row kv lengths"
 
 
 class _Patch:
@@ -295,21 +291,6 @@ class _Call:
         return [self.to_rf[id(d)] for d in x.dims]
 
 
-@functools.lru_cache(maxsize=None)
-def _takes_per_row_kv_lengths() -> bool:
-    """Whether this dimattn takes kv lengths that vary over a query-only dim (each
-    query row its own kv length). Asked once, with a call of two rows."""
-    b, t, f = da.Dim("b", 1), da.Dim("t", 2), da.Dim("f", 1)
-    kv = da.Dim.dynamic("kv", da.Tensor(torch.tensor([[1, 2]]), [b, t]))
-    q = da.Tensor(torch.zeros(1, 2, 1), [b, t, f])
-    k = da.Tensor(torch.zeros(1, 2, 1), [b, kv, f])
-    try:
-        da.dot_attention(q, k, k, key_dim=f, axis=kv)
-    except da.Error:
-        return False
-    return True
-
-
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -378,17 +359,14 @@ def _prepare(query: RfTensor, key: RfTensor, value: RfTensor, *, att_dropout_bro
 def _mask(axis: RfDim, query: RfTensor, key: RfTensor) -> RfTensor:
     """RETURNN's own mask of the axis (Dim.get_mask), from which its lengths are
     counted: padded entries of a lengths tensor then mean what the installed RETURNN
-    means. Its other dims must be the keys' (or the query's, once dimattn takes
-    per-row kv lengths)."""
+    means. Its other dims must be the keys' or the query's (dims only the query has
+    give each query row its own kv length)."""
     if axis.dyn_size_ext is None or axis.dyn_size_ext.raw_tensor is None:
         raise _Fallback("axis without lengths")
     mask = axis.get_mask(device=key.device)
     for d in mask.dims:
-        if d != axis and d not in key.dims:
-            if d in query.dims and not _takes_per_row_kv_lengths():
-                raise _Fallback(PER_ROW_KV_LENGTHS)
-            if d not in query.dims:
-                raise _Fallback(f"kv lengths over {d}, which no operand has")
+        if d != axis and d not in key.dims and d not in query.dims:
+            raise _Fallback(f"kv lengths over {d}, which no operand has")
     return mask
 
 

@@ -376,36 +376,20 @@ def chunked_causal_self_attention():
 
 def test_causal_self_attention_layer_chunks_with_state():
     """The second chunk attends a history dim whose lengths vary over the chunk's
-    time (each query row its own kv length). Until dimattn takes such lengths
-    (issue 26, item 2) that call runs RETURNN's implementation, counted with its
-    reason; every output equals the full sequence's."""
+    time (each query row its own kv length): dimattn takes such lengths per row, so
+    both chunks are routed through a fused kernel, none falls back, and every output
+    equals RETURNN's and the full sequence's."""
     layer, x, (batch, model, time, c1, c2), chunks = chunked_causal_self_attention()
     full = aligned(layer(x, axis=time)[0], [batch, time, model])
     ref = chunks()
-    with dr.enabled():
+    with dr.enabled(), da.trace(capture_tensors=False) as t:
         y1, y2 = chunks()
     for a, b in zip((y1, y2), ref):
         assert (aligned(a, b.dims) - b.raw_tensor).abs().max() < 1e-5
     assert (aligned(y1, [batch, c1, model]) - full[:, :4]).abs().max() < 1e-5
     assert (aligned(y2, [batch, c2, model]) - full[:, 4:]).abs().max() < 1e-5
-    s = dr.stats()
-    assert s["routed"] + s["fallback"] == 2 and s["routed"] >= 1
-    if s["fallback"]:
-        assert s["reasons"] == {dr.PER_ROW_KV_LENGTHS: 1}
-
-
-needs_per_row_kv_lengths = pytest.mark.xfail(
-    strict=True, reason="dimattn does not yet take kv lengths that vary over a query dim (issue 26, item 2); when it "
-                        "does, this passes: remove the marker")
-
-
-@needs_per_row_kv_lengths
-def test_causal_self_attention_layer_chunks_with_state_are_routed():
-    _, _, _, chunks = chunked_causal_self_attention()
-    with dr.enabled(), da.trace(capture_tensors=False) as t:
-        chunks()
     assert dr.stats()["routed"] == 2 and dr.stats()["fallback"] == 0, dr.stats()
-    assert all(r.kernel != "reference" for r in t.records)
+    assert len(t.records) == 2 and all(r.kernel != "reference" for r in t.records), [r.kernel for r in t.records]
 
 
 def test_rel_pos_self_attention_stays_on_returnn():

@@ -85,7 +85,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
   const int64_t D = p.head_dim, Dv = p.head_dim_v, dvp = w.dvp, ldk = w.ldk;
   using Operands = ForwardOperands<S, A>;
   Operands& ops = w.ops;
-  const EntryMask mask = entry_mask_of(p, b);
+  const EntryMask mask = entry_mask_of(p, b, h);
   const ScoreMod<A> mod = score_mod_of<A>(p.score, mask, b, h, p.heads);
   const int64_t hk = h / p.group_size();
   const S* q = static_cast<const S*>(p.q) + b * p.q_strides.batch + h * p.q_strides.head;
@@ -103,8 +103,8 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
   for (int64_t i = std::max(r0, rv); i < r1; ++i) write_empty_row(i);
   if (r0 >= rv) return;
   const int64_t m = rv - r0;
-  // The block attends [lo(r0), hi(rv - 1)): both bounds grow with the row.
-  const int64_t kv_end = mask.hi(rv - 1);
+  // The block attends [lo(r0), hi_max(r0, rv)).
+  const int64_t kv_end = mask.hi_max(r0, rv);
 
   // Scores in log2 units: exp(scale * q.k) = 2^(q' . k) with q' = q * scale * log2(e).
   const A qmul = static_cast<A>(p.scale * 1.4426950408889634);
@@ -126,9 +126,9 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
   for (int64_t j0 = mask.lo(r0) / w.bk * w.bk; j0 < kv_end; j0 += w.bk) {
     const int64_t n = std::min(w.bk, kv_end - j0), np = round_up(n, W);
     // Rows attend a prefix of the tile; only tiles crossing a row's limit
-    // (causal diagonal) mask, and there the products skip the blocks past
-    // every row's prefix.
-    const bool partial = mask.hi(r0) < j0 + n;
+    // (causal diagonal, per-row lengths) mask, and there the products skip
+    // the blocks past every row's prefix.
+    const bool partial = mask.hi_min(r0, rv) < j0 + n;
     const int64_t* nvs = nullptr;
     if (partial) {
       for (int64_t r = 0; r < m; ++r) w.nv[r] = std::clamp<int64_t>(mask.hi(r0 + r) - j0, 0, n);
