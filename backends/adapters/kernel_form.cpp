@@ -125,58 +125,6 @@ MemoryView host_memory(Backend& be) {
   return [&be](const RawPtr& x) { return host(be, x); };
 }
 
-void flash_params(FlashParams& pr, const AttentionCall& c, const FlashLayout& l, const HostView& q, const HostView& k,
-                  const HostView& v) {
-  kernels::AttentionKernelParams& p = pr.p;
-  p.dtype = kernel_element_type(q.dtype);
-  p.q = q.data;
-  p.k = k.data;
-  p.v = v.data;
-  p.batch = l.B;
-  p.heads = l.Hkv * l.G;
-  p.kv_heads = l.Hkv;
-  p.seqlen_q = l.Tq;
-  p.seqlen_k = l.Tk;
-  p.head_dim = l.D;
-  p.head_dim_v = l.Dv;
-  p.q_strides = strides4(q);
-  p.k_strides = strides4(k);
-  p.v_strides = strides4(v);
-  if (c.kv_spatial.is_dynamic()) {
-    pr.kv_len = host_ints(c.kv_spatial.lengths(), outer_dims(c, l));
-    p.kv_lengths = pr.kv_len.data();
-  }
-  p.causal = c.causal;
-  if (c.causal_offset) {
-    pr.offset = host_ints(*c.causal_offset, outer_dims(c, l));
-    p.causal_offset = pr.offset.data();
-  }
-  p.scale = c.scale;
-  p.dropout_p = c.dropout;
-  p.dropout_broadcast = c.dropout_broadcast;
-  p.seed = c.dropout_seed;
-  p.rng_offset = static_cast<uint32_t>(c.dropout_offset);
-  p.dropout_q_position = c.dropout_q_position;
-  p.dropout_kv_position = c.dropout_kv_position;
-  if (const std::optional<AttentionWindow>& w = c.variants.window) p.bounds = {w->left.value_or(-1), w->right.value_or(-1)};
-  p.score.softcap = c.variants.softcap.value_or(0.0);
-  const int64_t H = l.Hkv * l.G;
-  auto per_head = [&](const Tensor& t, std::vector<double>& out) {
-    out = host_values(t, per_head_dims(c));
-    return kernels::HeadValues{out.data(), H, 1};
-  };
-  if (c.variants.alibi_slopes) p.score.alibi = per_head(*c.variants.alibi_slopes, pr.slopes);
-  if (c.variants.sinks) {
-    p.score.sinks = per_head(*c.variants.sinks, pr.sinks);
-    pr.dsinks.assign(static_cast<size_t>(l.B * H), 0.0);
-    p.score.dsinks = pr.dsinks.data();
-  }
-}
-
-DType accumulation_dtype(const AttentionCall& c) {
-  return c.query.dtype() == DType::float64 ? DType::float64 : DType::float32;
-}
-
 namespace {
 
 // Where each flat (b, h) index (row-major over per_head_dims(c)) lands in a
@@ -211,7 +159,84 @@ kernels::ScorePlanes score_planes(const AttentionCall& c, const Tensor& t, const
   return {v.data, offsets.data(), stride_of(c.query_spatial), stride_of(c.kv_spatial)};
 }
 
+// Lengths that vary over the query's own dims: their host copy (dense, over
+// their own dims) as per-(b, h) planes of row lengths, and each entry's
+// maximum over its rows as its kv length. B holds every batch and keys-only
+// dim they vary over (flash_layout), so each plane's rows are one entry's.
+void kv_row_lengths(FlashParams& pr, const AttentionCall& c, const FlashLayout& l) {
+  kernels::AttentionKernelParams& p = pr.p;
+  const Tensor& len = c.kv_spatial.lengths();
+  pr.kv_rows = host_ints(len, len.dims());
+  HostView dense{pr.kv_rows.data(), {}, std::vector<int64_t>(len.dims().size()), DType::int64};
+  int64_t n = 1;
+  for (size_t a = len.dims().size(); a-- > 0;) dense.strides[a] = n, n *= len.dims()[a].extent();
+  p.kv_row_lengths = score_planes(c, len, dense, pr.kv_row_offsets);
+  const int64_t H = l.Hkv * l.G;
+  pr.kv_len.assign(static_cast<size_t>(l.B), 0);
+  for (int64_t b = 0; b < l.B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t* rows = p.kv_row_lengths.plane<int64_t>(b * H + h);
+      for (int64_t i = 0; i < l.Tq; ++i)
+        pr.kv_len[b] = std::max(pr.kv_len[b], rows[i * p.kv_row_lengths.row_stride]);
+    }
+  p.kv_lengths = pr.kv_len.data();
+}
+
 }  // namespace
+
+void flash_params(FlashParams& pr, const AttentionCall& c, const FlashLayout& l, const HostView& q, const HostView& k,
+                  const HostView& v) {
+  kernels::AttentionKernelParams& p = pr.p;
+  p.dtype = kernel_element_type(q.dtype);
+  p.q = q.data;
+  p.k = k.data;
+  p.v = v.data;
+  p.batch = l.B;
+  p.heads = l.Hkv * l.G;
+  p.kv_heads = l.Hkv;
+  p.seqlen_q = l.Tq;
+  p.seqlen_k = l.Tk;
+  p.head_dim = l.D;
+  p.head_dim_v = l.Dv;
+  p.q_strides = strides4(q);
+  p.k_strides = strides4(k);
+  p.v_strides = strides4(v);
+  if (c.padding() == Padding::per_row) {
+    kv_row_lengths(pr, c, l);
+  } else if (c.kv_spatial.is_dynamic()) {
+    pr.kv_len = host_ints(c.kv_spatial.lengths(), outer_dims(c, l));
+    p.kv_lengths = pr.kv_len.data();
+  }
+  p.causal = c.causal;
+  if (c.causal_offset) {
+    pr.offset = host_ints(*c.causal_offset, outer_dims(c, l));
+    p.causal_offset = pr.offset.data();
+  }
+  p.scale = c.scale;
+  p.dropout_p = c.dropout;
+  p.dropout_broadcast = c.dropout_broadcast;
+  p.seed = c.dropout_seed;
+  p.rng_offset = static_cast<uint32_t>(c.dropout_offset);
+  p.dropout_q_position = c.dropout_q_position;
+  p.dropout_kv_position = c.dropout_kv_position;
+  if (const std::optional<AttentionWindow>& w = c.variants.window) p.bounds = {w->left.value_or(-1), w->right.value_or(-1)};
+  p.score.softcap = c.variants.softcap.value_or(0.0);
+  const int64_t H = l.Hkv * l.G;
+  auto per_head = [&](const Tensor& t, std::vector<double>& out) {
+    out = host_values(t, per_head_dims(c));
+    return kernels::HeadValues{out.data(), H, 1};
+  };
+  if (c.variants.alibi_slopes) p.score.alibi = per_head(*c.variants.alibi_slopes, pr.slopes);
+  if (c.variants.sinks) {
+    p.score.sinks = per_head(*c.variants.sinks, pr.sinks);
+    pr.dsinks.assign(static_cast<size_t>(l.B * H), 0.0);
+    p.score.dsinks = pr.dsinks.data();
+  }
+}
+
+DType accumulation_dtype(const AttentionCall& c) {
+  return c.query.dtype() == DType::float64 ? DType::float64 : DType::float32;
+}
 
 ScoreOperands score_operands(Backend& be, const AttentionCall& c, FlashParams& pr, const MemoryView& mem,
                              bool dense_bias) {

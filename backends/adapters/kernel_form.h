@@ -99,6 +99,9 @@ FlashInputs flash_inputs(Backend& be, const AttentionCall& c, const KernelForm& 
 struct FlashParams {
   kernels::AttentionKernelParams p;
   std::vector<int64_t> kv_len, offset;
+  // Per-row kv lengths (lengths over the query's own dims): the lengths
+  // tensor's values over its own dims, and where each (b, h) plane starts.
+  std::vector<int64_t> kv_rows, kv_row_offsets;
   // Per (b, h) of the kernel (flat index b * H + h): ALiBi slopes, sink
   // logits, and d(sinks) written by the backward pass.
   std::vector<double> slopes, sinks, dsinks;

@@ -63,15 +63,18 @@ CUstream_st* current_stream(c10::Device device) {
 // last one is d(sinks) (float64 [B * H]), written by the backward pass.
 std::vector<at::Tensor> to_device_arrays(detail::FlashParams& pr, c10::Device device) {
   std::vector<at::Tensor> keep;
-  auto upload = [&]<class T>(const std::vector<T>& host, const T*& ptr, at::ScalarType type) {
+  // ptr: a const T* or a plane table's const void* data.
+  auto upload = [&]<class T, class P>(const std::vector<T>& host, const P*& ptr, at::ScalarType type) {
     if (ptr == nullptr) return;
     at::Tensor h = empty_on({static_cast<int64_t>(host.size())}, type, c10::Device(c10::DeviceType::CPU));
     std::memcpy(h.mutable_data_ptr(), host.data(), host.size() * sizeof(T));
     keep.push_back(h.to(device));
-    ptr = static_cast<const T*>(keep.back().const_data_ptr());
+    ptr = static_cast<const P*>(keep.back().const_data_ptr());
   };
   upload(pr.kv_len, pr.p.kv_lengths, at::kLong);
   upload(pr.offset, pr.p.causal_offset, at::kLong);
+  upload(pr.kv_rows, pr.p.kv_row_lengths.data, at::kLong);
+  upload(pr.kv_row_offsets, pr.p.kv_row_lengths.offsets, at::kLong);
   kernels::ScoreParams& score = pr.p.score;
   upload(pr.slopes, score.alibi.data, at::kDouble);
   upload(pr.sinks, score.sinks.data, at::kDouble);

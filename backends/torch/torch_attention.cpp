@@ -59,8 +59,18 @@ GateResult variants_gate(const AttentionParams& p) {
                           "it per tile");
 }
 
+// The padding mask ATen's kernels get (masks_of) is one per batch entry,
+// shared by every query head and group: per-row kv lengths do not fit it.
+GateResult padding_gate(const AttentionParams& p) {
+  if (p.padding != Padding::per_row) return GateResult::pass();
+  return GateResult::fail("kv lengths vary over the query's own dims (each query row its own kv length), which the "
+                          "per-batch-entry mask dimattn builds for ATen's kernels cannot express; cpu_flash and "
+                          "cuda_flash take them per row");
+}
+
 GateResult common_fused_gate(const AttentionParams& p) {
   if (GateResult v = variants_gate(p); !v.ok) return v;
+  if (GateResult v = padding_gate(p); !v.ok) return v;
   if (p.dropout)
     return GateResult::fail("dropout would come from ATen's RNG, not the shared Philox stream, so the result "
                             "could not be reproduced by the reference path");
@@ -77,6 +87,7 @@ GateResult gate_flash_cpu(const AttentionParams& p) {
 
 GateResult gate_math(const AttentionParams& p) {
   if (GateResult v = variants_gate(p); !v.ok) return v;
+  if (GateResult v = padding_gate(p); !v.ok) return v;
   if (p.dropout)
     return GateResult::fail("dropout would come from ATen's RNG (its explicit mask is a testing hook), not the "
                             "shared Philox stream");
@@ -99,7 +110,7 @@ GateResult gate_cudnn(const AttentionParams& p) {
 }
 
 GateResult gate_flash_cuda(const AttentionParams& p) {
-  if (p.padding || p.offset != OffsetKind::none)
+  if (p.padding != Padding::none || p.offset != OffsetKind::none)
     return GateResult::fail("takes no mask: kv padding and causal offsets need one");
   return cuda_gate(p, false, 256);
 }

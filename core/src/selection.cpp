@@ -29,12 +29,21 @@ const char* layout_name(LayoutClass c) {
   return "?";
 }
 
+const char* padding_name(Padding p) {
+  switch (p) {
+    case Padding::none: return "none";
+    case Padding::per_entry: return "per_entry";
+    case Padding::per_row: return "per_row";
+  }
+  return "?";
+}
+
 std::string AttentionParams::describe() const {
   std::ostringstream os;
   os << "device=" << (device == DeviceType::cpu ? "cpu" : "cuda") << " dtype=" << dtype_name(dtype)
      << " head_dim=" << head_dim_qk << "/" << head_dim_v << " causal=" << causal
      << " offset=" << (offset == OffsetKind::none ? "none" : "nonzero") << " dropout=" << dropout
-     << " broadcast_dropout=" << dropout_broadcast << " padding=" << padding << " gqa_ratio=" << gqa_ratio
+     << " broadcast_dropout=" << dropout_broadcast << " padding=" << padding_name(padding) << " gqa_ratio=" << gqa_ratio
      << " keys_only=" << keys_only << " layout=" << layout_name(layout) << " requires_grad=" << requires_grad
      << " deterministic=" << deterministic << " variants=" << variants.names() << " forced=" << forced;
   return os.str();
@@ -50,9 +59,10 @@ size_t AttentionParamsHash::operator()(const AttentionParams& p) const {
   mix(static_cast<uint64_t>(p.gqa_ratio));
   mix(static_cast<uint64_t>(p.layout));
   mix(static_cast<uint64_t>(p.offset));
+  mix(static_cast<uint64_t>(p.padding));
   mix((uint64_t{p.causal} << 0) | (uint64_t{p.dropout} << 1) | (uint64_t{p.dropout_broadcast} << 2) |
-      (uint64_t{p.padding} << 3) | (uint64_t{p.keys_only} << 4) | (uint64_t{p.requires_grad} << 5) |
-      (uint64_t{p.deterministic} << 6) | (uint64_t{p.variants.bits} << 7));
+      (uint64_t{p.keys_only} << 3) | (uint64_t{p.requires_grad} << 4) | (uint64_t{p.deterministic} << 5) |
+      (uint64_t{p.variants.bits} << 6));
   return h;
 }
 
@@ -223,6 +233,13 @@ void reset_selection_cache() {
   ++c.epoch;
 }
 
+Padding AttentionCall::padding() const {
+  if (!kv_spatial.is_dynamic()) return Padding::none;
+  for (const Dim& d : kv_spatial.lengths().dims())
+    if (d == query_spatial || contains(query_groups, d)) return Padding::per_row;
+  return Padding::per_entry;
+}
+
 AttentionParams attention_params(const AttentionCall& call, LayoutClass layout, bool requires_grad) {
   AttentionParams p;
   p.device = call.query.device().type;
@@ -235,7 +252,7 @@ AttentionParams attention_params(const AttentionCall& call, LayoutClass layout, 
   p.offset = call.causal_offset ? OffsetKind::nonzero : OffsetKind::none;
   p.dropout = call.dropout > 0;
   p.dropout_broadcast = p.dropout && call.dropout_broadcast;
-  p.padding = call.kv_spatial.is_dynamic();
+  p.padding = call.padding();
   int64_t g = 1;
   for (const Dim& d : call.query_groups) g *= d.extent();
   p.gqa_ratio = g;

@@ -42,15 +42,6 @@ void validate(const Tensor& query, const Tensor& keys, const Tensor& values, con
                 "; pass the keys' spatial dim as axis", same_name_hint(keys, o.axis, "keys'"));
   DIMATTN_CHECK(values.has(o.axis), kOp, "axis ", o.axis.repr(), " is not in values ", repr(values.dims()),
                 "; keys and values must share axis", same_name_hint(values, o.axis, "values'"));
-  if (o.axis.is_dynamic())
-    for (const Dim& d : o.axis.lengths().dims()) {
-      DIMATTN_CHECK(keys.has(d), kOp, "the lengths of axis ", o.axis.repr(), " vary over ", d.repr(),
-                    ", which keys ", repr(keys.dims()), " lack; give keys that dim or use a static axis");
-      // Else the mask would vary over the reduced dim: the reference path
-      // failed deep inside [align], the fused paths would mask per feature.
-      DIMATTN_CHECK(d != o.key_dim, kOp, "the lengths of axis ", o.axis.repr(), " vary over key_dim ", d.repr(),
-                    "; lengths may vary over batch dims only");
-    }
   DIMATTN_CHECK(o.att_dropout >= 0 && o.att_dropout < 1, kOp, "att_dropout must be in [0, 1), got ", o.att_dropout);
   if (o.scale)
     DIMATTN_CHECK(std::isfinite(*o.scale), kOp, "scale must be finite, got ", *o.scale,
@@ -92,6 +83,21 @@ Roles roles_of(const Tensor& q, const Tensor& keys, const Tensor& values, const 
   DIMATTN_CHECK(!r.value_feature.empty(), kOp, "values ", repr(values.dims()), " have no feature dim: every dim but ",
                 "axis ", o.axis.repr(), " is also in query or keys; give values a feature dim ",
                 "(expand_dim(values, Dim(\"v\", 1)) for scalar values)");
+  // The axis's lengths vary over batch dims, the query's own dims (each
+  // query row its own kv length) or keys-only dims: dims of the mask, never
+  // of a reduced or value feature dim.
+  if (o.axis.is_dynamic())
+    for (const Dim& d : o.axis.lengths().dims()) {
+      // Else the mask would vary over the reduced dim: the reference path
+      // failed deep inside [align], the fused paths would mask per feature.
+      DIMATTN_CHECK(d != o.key_dim, kOp, "the lengths of axis ", o.axis.repr(), " vary over key_dim ", d.repr(),
+                    "; lengths may vary over batch dims, the query's own dims and keys-only dims");
+      DIMATTN_CHECK(contains(r.batch, d) || contains(r.query_only, d) || contains(r.keys_only, d), kOp,
+                    "the lengths of axis ", o.axis.repr(), " vary over ", d.repr(),
+                    ", which is not a dim they may vary over: batch dims ", repr(r.batch), ", keys-only dims ",
+                    repr(r.keys_only), " and the query's own dims ", repr(r.query_only),
+                    " (each query row its own kv length); give the query or keys that dim, or use a static axis");
+    }
   if (o.causal_query_spatial_dim) {
     const Dim& cq = *o.causal_query_spatial_dim;
     DIMATTN_CHECK(q.has(cq), kOp, "causal_query_spatial_dim ", cq.repr(), " is not in query ", repr(q.dims()));

@@ -82,8 +82,18 @@ ReferenceAttention reference_attention(const AttentionCall& c) {
   Tensor v = cast(c.values, dt);
   // Padding is not data: a masked weight is 0, but 0 * NaN is NaN, so
   // padded values (an uninitialised cache, say) are zeroed before the
-  // product, as the fused kernels never read them (docs/errors.md).
-  if (c.kv_spatial.is_dynamic()) v = where(sequence_mask(c.kv_spatial, options_like(v)), v, 0.0);
+  // product, as the fused kernels never read them (docs/errors.md). With
+  // per-row lengths only the positions that no query row reaches (past
+  // their maximum over the query's own dims), so that values never gain
+  // the query's dims.
+  if (c.kv_spatial.is_dynamic()) {
+    Tensor reach = to_device(to_backend(cast(c.kv_spatial.lengths(), DType::int64), v.backend().name()), v.device());
+    Dims query_own;
+    for (const Dim& d : reach.dims())
+      if (d == c.query_spatial || contains(c.query_groups, d)) query_own.push_back(d);
+    if (!query_own.empty()) reach = reduce_max(reach, query_own);
+    v = where(compare(range_over_dim(c.kv_spatial, options_like(v, DType::int64)), Compare::lt, reach), v, 0.0);
+  }
 
   // The order of docs/numerics.md: scale, soft-capping, bias and ALiBi,
   // masks, softmax with the sink, dropout.

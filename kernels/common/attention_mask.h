@@ -3,28 +3,40 @@
 // keeps: every fused kernel (CPU forward and backward, CUDA forward and
 // backward) and their gates take it from here, host and device alike.
 //
-// Masks. Per batch entry, query row i attends the half-open kv range
-// [lo(i), hi(i)):
+// Masks. Per batch entry b and query head h, query row i attends the
+// half-open kv range [lo(i), hi(i)):
 //   lo(i) = max(0, i + offset - left)            with a window's left bound
 //           0                                    otherwise
 //   hi(i) = 0                                    if i >= q_len (padding row)
-//           min(kv_len, i + offset + 1)          if causal
-//           min(kv_len, i + offset + right + 1)  with a window's right bound
-//           kv_len                               otherwise   (clamped to >= 0;
+//           min(len(i), i + offset + 1)          if causal
+//           min(len(i), i + offset + right + 1)  with a window's right bound
+//           len(i)                               otherwise   (clamped to >= 0;
 //                                                 causal and a right bound: the smaller)
-// with q_len, kv_len the entry's lengths (AttentionKernelParams::q_lengths,
-// kv_lengths; the full extent when absent), offset its causal offset and
-// left/right the window (RowBounds, AttentionKernelParams::bounds; negative =
-// unbounded). Both bounds are nondecreasing in i over the rows i < q_len,
-// which is what the kernels' loops rely on (a block of rows attends
-// [lo(first), hi(last)), a kv position is attended by a contiguous run of
-// rows, rows_reaching()): blocks outside a window's band are skipped.
+// with q_len the entry's query length (AttentionKernelParams::q_lengths; the
+// full extent when absent), len(i) row i's kv length, offset the entry's
+// causal offset and left/right the window (RowBounds,
+// AttentionKernelParams::bounds; negative = unbounded). len(i) is the entry's
+// kv length kv_len (AttentionKernelParams::kv_lengths; the full extent when
+// absent), unless the lengths vary over the query's own dims: then each row
+// of each head has its own (AttentionKernelParams::kv_row_lengths, the plane
+// of (b, h)), and kv_len is their maximum over the entry, an upper bound.
+// lo is nondecreasing in i; so is hi over the rows i < q_len when every row
+// has the entry's length, and a block of rows [r0, r1) attends
+// [lo(r0), hi_max(r0, r1)) either way (hi_max: hi(r1 - 1) then, a loop over
+// the rows with per-row lengths). A kv position is attended by at most the
+// contiguous run of rows rows_reaching() gives, which ignores lengths (a
+// superset with per-row lengths: kernels mask each element by its row's hi).
+// Kernels skip the blocks outside a window's band and past every row's
+// length.
 //
 // How the reference path (frontend/src/attention_reference.cpp) maps onto it:
 // causal there allows kv j iff j <= i + offset, i.e. j < i + offset + 1 = the
-// causal hi; padding allows j iff j < length, i.e. j < kv_len; a row whose
+// causal hi; padding allows j iff j < length (the row's: the lengths tensor
+// broadcasts by name over the query's dims), i.e. j < len(i); a row whose
 // range is empty (hi <= lo) gives output 0 and weights 0 (the reference
 // zeroes masked weights after the softmax; the kernels write 0 and lse = -inf).
+// Values at kv positions no row reaches (past every row's length) are never
+// read by the kernels and zeroed by the reference before its product.
 //
 // Dropout. Element (bh, q, k) (or k alone under broadcast dropout) draws the
 // uniform number of philox.h's generator under the keying below, is kept iff
@@ -52,6 +64,24 @@ struct Range {
   DIMATTN_HD bool contains(int64_t j) const { return lo <= j && j < hi; }
 };
 
+// A tensor over any subset of a call's dims, never expanded to [batch,
+// heads, seqlen_q, seqlen_k]: the plane of flat index bh = b * heads + h
+// starts at element offsets[bh] of data, and element (i, j) of a plane is
+// + i * row_stride + j * col_stride (a stride or offset repeats where the
+// tensor is broadcast). Score-sized tensors (bias, mask) and the per-row kv
+// lengths (int64, over no kv position: col_stride 0).
+struct ScorePlanes {
+  const void* data = nullptr;        // nullptr = off
+  const int64_t* offsets = nullptr;  // [batch * heads]
+  int64_t row_stride = 0, col_stride = 0;
+
+  DIMATTN_HD bool on() const { return data != nullptr; }
+  template <class T>
+  DIMATTN_HD const T* plane(int64_t bh) const {
+    return static_cast<const T*>(data) + offsets[bh];
+  }
+};
+
 // The positional mask variants, which bound each row's kv range beyond its
 // lengths and causal masking: the sliding window. It is data the kernels
 // carry as a whole (AttentionKernelParams::bounds, the CUDA kernel's
@@ -69,12 +99,17 @@ struct RowBounds {
   }
 };
 
-// The mask of one batch entry.
+// The mask of one batch entry, or of one (batch entry, head) plane when the
+// rows have their own kv lengths.
 struct EntryMask {
-  int64_t q_len, kv_len;
-  int64_t offset;  // causal offset, clamped to [-2^61, 2^61]
+  int64_t q_len, kv_len;  // kv_len: with per-row lengths, their maximum over the entry
+  int64_t offset;         // causal offset, clamped to [-2^61, 2^61]
   bool causal;
   RowBounds bounds;  // clamped
+  // Row i's kv length is row_kv_len[i * row_kv_stride] (<= kv_len), or
+  // kv_len when row_kv_len is null. A stride of 0: one length per plane.
+  const int64_t* row_kv_len = nullptr;
+  int64_t row_kv_stride = 0;
 
   DIMATTN_HD int64_t lo(int64_t i) const {
     const int64_t left = bounds.window_left;
@@ -83,9 +118,9 @@ struct EntryMask {
     return l > 0 ? l : 0;
   }
   DIMATTN_HD int64_t hi(int64_t i) const {
-    if (i >= q_len) return 0;  // padding rows attend nothing
+    if (i >= q_len) return 0;  // padding rows attend nothing (and have no row length to read)
     const int64_t right = bounds.window_right;
-    int64_t h = kv_len;
+    int64_t h = row_kv_len ? row_kv_len[i * row_kv_stride] : kv_len;
     if (causal && i + offset + 1 < h) h = i + offset + 1;
     if (right >= 0 && i + offset + right + 1 < h) h = i + offset + right + 1;
     return h > 0 ? h : 0;
@@ -93,8 +128,35 @@ struct EntryMask {
   DIMATTN_HD Range row(int64_t i) const { return {lo(i), hi(i)}; }
   DIMATTN_HD bool allowed(int64_t i, int64_t j) const { return row(i).contains(j); }
 
-  // The rows [first, end) that attend kv position j, clamped to [0, q_len]
-  // (first >= end when none). pre: 0 <= j < kv_len.
+  // Whether hi is nondecreasing over the rows i < q_len (every row has the
+  // plane's one length).
+  DIMATTN_HD bool monotone() const { return row_kv_len == nullptr || row_kv_stride == 0; }
+  // The largest and smallest hi(i) over rows [r0, r1): where a block of rows
+  // stops reading kv positions, and up to where all of them read (a tile
+  // that ends there needs no per-row masking). pre: 0 <= r0 < r1 <= q_len.
+  DIMATTN_HD int64_t hi_max(int64_t r0, int64_t r1) const {
+    if (monotone()) return hi(r1 - 1);
+    int64_t h = 0;
+    for (int64_t i = r0; i < r1; ++i) {
+      const int64_t x = hi(i);
+      h = x > h ? x : h;
+    }
+    return h;
+  }
+  DIMATTN_HD int64_t hi_min(int64_t r0, int64_t r1) const {
+    if (monotone()) return hi(r0);
+    int64_t h = hi(r0);
+    for (int64_t i = r0 + 1; i < r1; ++i) {
+      const int64_t x = hi(i);
+      h = x < h ? x : h;
+    }
+    return h;
+  }
+
+  // The rows [first, end) that may attend kv position j, clamped to [0,
+  // q_len] (first >= end when none): exactly those that do, unless rows
+  // have their own lengths, which it ignores (then a superset: some of its
+  // rows may end before j). pre: 0 <= j < kv_len.
   DIMATTN_HD Range rows_reaching(int64_t j) const {
     const int64_t left = bounds.window_left, right = bounds.window_right;
     // hi(i) > j  <=>  i + offset + 1 > j (causal) and i + offset + right + 1 > j.
@@ -110,14 +172,18 @@ struct EntryMask {
 };
 
 // The mask of batch entry b from a params struct's per-entry arrays (nullptr
-// = full length, offset 0) and bounds. Clamping the offset to +-2^61 and the
-// bounds to 2^61 keeps i + offset + right + 1 from overflowing; neither is
-// clamped to the call's extents, because windows and ALiBi measure from the
-// true diagonal (a block of a longer sequence has offsets far beyond its own
-// seqlen_k, and a window bound past seqlen_q + seqlen_k may still bound it).
+// = full length, offset 0) and bounds, and with per-row kv lengths
+// (`kv_rows` on: int64 planes, AttentionKernelParams::kv_row_lengths) the
+// rows of plane bh = b * heads + h. Without bh (or with kv_rows off) it is
+// the entry's mask, whose kv_len bounds every row's. Clamping the offset to
+// +-2^61 and the bounds to 2^61 keeps i + offset + right + 1 from
+// overflowing; neither is clamped to the call's extents, because windows and
+// ALiBi measure from the true diagonal (a block of a longer sequence has
+// offsets far beyond its own seqlen_k, and a window bound past seqlen_q +
+// seqlen_k may still bound it).
 DIMATTN_HD EntryMask entry_mask(const int64_t* q_lengths, const int64_t* kv_lengths, const int64_t* causal_offset,
-                                bool causal, int64_t seqlen_q, int64_t seqlen_k, int64_t b,
-                                RowBounds bounds = {}) {
+                                bool causal, int64_t seqlen_q, int64_t seqlen_k, int64_t b, RowBounds bounds = {},
+                                ScorePlanes kv_rows = {}, int64_t bh = -1) {
   EntryMask m;
   m.q_len = q_lengths ? q_lengths[b] : seqlen_q;
   m.kv_len = kv_lengths ? kv_lengths[b] : seqlen_k;
@@ -126,6 +192,10 @@ DIMATTN_HD EntryMask entry_mask(const int64_t* q_lengths, const int64_t* kv_leng
   constexpr int64_t kFar = int64_t{1} << 61;
   m.offset = off < -kFar ? -kFar : off > kFar ? kFar : off;
   m.bounds = bounds.clamped();
+  if (kv_rows.on() && bh >= 0) {
+    m.row_kv_len = kv_rows.plane<int64_t>(bh);
+    m.row_kv_stride = kv_rows.row_stride;
+  }
   return m;
 }
 
@@ -146,23 +216,6 @@ struct HeadValues {
 
   DIMATTN_HD bool on() const { return data != nullptr; }
   DIMATTN_HD double at(int64_t b, int64_t h) const { return data[b * batch_stride + h * head_stride]; }
-};
-
-// A score-sized tensor over any subset of a call's dims, never expanded to
-// [batch, heads, seqlen_q, seqlen_k]: the plane of flat index bh = b * heads + h
-// starts at element offsets[bh] of data, and element (i, j) of a plane is
-// + i * row_stride + j * col_stride (a stride or offset repeats where the
-// tensor is broadcast).
-struct ScorePlanes {
-  const void* data = nullptr;        // nullptr = off
-  const int64_t* offsets = nullptr;  // [batch * heads]
-  int64_t row_stride = 0, col_stride = 0;
-
-  DIMATTN_HD bool on() const { return data != nullptr; }
-  template <class T>
-  DIMATTN_HD const T* plane(int64_t bh) const {
-    return static_cast<const T*>(data) + offsets[bh];
-  }
 };
 
 // The score variants of a call and the gradients the backward pass writes

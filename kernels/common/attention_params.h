@@ -14,9 +14,10 @@
 // multi-head attention, 1 < kv_heads < heads grouped-query (GQA), 1 multi-query
 // (MQA). Grouped heads read the same k/v memory: nothing is tiled.
 //
-// Masking: query row i of batch entry b attends kv position j iff
-//   j < kv_len[b]  and  (!causal or j <= i + causal_offset[b]),
-// and rows i >= q_len[b] are padding. A row that attends nothing gets out = 0
+// Masking: query row i of batch entry b and head h attends kv position j iff
+//   j < len(b, h, i)  and  (!causal or j <= i + causal_offset[b]),
+// with len(b, h, i) = kv_lengths[b], or row i's length in plane b * heads + h
+// of kv_row_lengths when it is on; rows i >= q_len[b] are padding. A row that attends nothing gets out = 0
 // and lse = -inf (never NaN), matching the reference path's contract. A
 // window (`bounds`) and a boolean mask (`score.mask`) may forbid more elements.
 //
@@ -127,6 +128,14 @@ struct AttentionKernelParams {
   // pre: 0 <= q_lengths[b] <= seqlen_q, 0 <= kv_lengths[b] <= seqlen_k
   const int64_t* q_lengths = nullptr;
   const int64_t* kv_lengths = nullptr;
+  // Per query row, off (data nullptr) = each row has its entry's kv_lengths:
+  // int64 kv lengths of row i of (b, h) at plane<int64_t>(b * heads + h)[i *
+  // row_stride] (col_stride unused), for lengths that vary over the query's
+  // own dims (a chunk attending a history whose lengths differ per query
+  // position, beams, GQA heads). kv_lengths then holds each entry's maximum
+  // over its rows (which the kernels read as the entry's kv extent).
+  // pre: 0 <= each row's length <= kv_lengths[b] (seqlen_k when absent)
+  ScorePlanes kv_row_lengths;
 
   bool causal = false;
   // Per batch entry, nullptr = 0 (the history length when a chunk of queries
@@ -264,6 +273,9 @@ inline std::string AttentionKernelParams::validate(bool backward, ElementTypeSet
     if (x->batch_stride < 0 || x->head_stride < 0) return op + "alibi slopes and sinks need strides >= 0";
   for (const ScorePlanes* x : {&score.bias, &score.mask})
     if (x->row_stride < 0 || x->col_stride < 0) return op + "bias and mask need strides >= 0";
+  if (kv_row_lengths.row_stride < 0) return op + "kv_row_lengths needs a row stride >= 0";
+  if (kv_row_lengths.on() && batch * heads > 0 && kv_row_lengths.offsets == nullptr)
+    return op + "kv_row_lengths needs offsets ([batch * heads])";
   if (batch * heads * seqlen_q * seqlen_k > 0) {
     if (score.bias.on() && score.bias.offsets == nullptr) return op + "bias needs offsets ([batch * heads])";
     if (score.mask.on() && score.mask.offsets == nullptr) return op + "mask needs offsets ([batch * heads])";
@@ -348,6 +360,16 @@ inline std::string AttentionKernelParams::validate_host_arrays() const {
     if (kv_lengths && (kv_lengths[b] < 0 || kv_lengths[b] > seqlen_k))
       return "[attention] kv_lengths[" + std::to_string(b) + "] = " + std::to_string(kv_lengths[b]) +
              " is outside [0, seqlen_k=" + std::to_string(seqlen_k) + "]";
+    if (!kv_row_lengths.on() || kv_row_lengths.offsets == nullptr) continue;  // validate() names the latter
+    const int64_t most = kv_lengths ? kv_lengths[b] : seqlen_k;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t* rows = kv_row_lengths.plane<int64_t>(b * heads + h);
+      for (int64_t i = 0; i < seqlen_q; ++i)
+        if (const int64_t len = rows[i * kv_row_lengths.row_stride]; len < 0 || len > most)
+          return "[attention] kv_row_lengths of batch entry " + std::to_string(b) + ", head " + std::to_string(h) +
+                 ", row " + std::to_string(i) + " = " + std::to_string(len) + " is outside [0, " +
+                 (kv_lengths ? "kv_lengths[b]=" : "seqlen_k=") + std::to_string(most) + "]";
+    }
   }
   return {};
 }

@@ -58,6 +58,7 @@ DeviceParams device_params(const AttentionKernelParams& p) {
   d.q_lengths = p.q_lengths;
   d.kv_lengths = p.kv_lengths;
   d.causal_offset = p.causal_offset;
+  d.kv_row_lengths = p.kv_row_lengths;
   d.causal = p.causal;
   d.scale = static_cast<float>(p.scale);
   d.scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);

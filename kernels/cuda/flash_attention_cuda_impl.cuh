@@ -64,6 +64,7 @@ struct DeviceParams {
   int batch, heads, group;  // group = heads / kv_heads
   int seqlen_q, seqlen_k;
   const int64_t *q_lengths, *kv_lengths, *causal_offset;
+  ScorePlanes kv_row_lengths;  // per-row kv lengths (attention_params.h); off = per entry
   bool causal;
   float scale;       // softmax scale
   float scale_log2;  // scale * log2(e): scores in base-2 units
@@ -84,9 +85,12 @@ struct DeviceParams {
 // 64-bit min without relying on which overloads CUDA's headers declare.
 __host__ __device__ constexpr int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-// The mask of batch entry b (common/attention_mask.h).
-__device__ inline EntryMask entry_mask_of(const DeviceParams& p, int b) {
-  return entry_mask(p.q_lengths, p.kv_lengths, p.causal_offset, p.causal, p.seqlen_q, p.seqlen_k, b, p.bounds);
+// The mask of batch entry b (common/attention_mask.h; with per-row kv
+// lengths, kv_len bounds every row's), and that of its head h (with its
+// rows' lengths).
+__device__ inline EntryMask entry_mask_of(const DeviceParams& p, int b, int h = -1) {
+  return entry_mask(p.q_lengths, p.kv_lengths, p.causal_offset, p.causal, p.seqlen_q, p.seqlen_k, b, p.bounds,
+                    p.kv_row_lengths, h < 0 ? -1 : int64_t{b} * p.heads + h);
 }
 
 // --- dropout: attention_mask.h's keying and keep rule ---
@@ -223,7 +227,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
   // Causal blocks further down cost more: start those first.
   const int mb = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int64_t m0 = int64_t{mb} * BM;
-  const EntryMask mask = entry_mask_of(p, b);
+  const EntryMask mask = entry_mask_of(p, b, h);
   const ScoreMod<float> mod = score_mod_of<float>(p.score, mask, b, h, p.heads);
   const int hk = h / p.group;
   const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
@@ -233,10 +237,10 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
   const T* vg = static_cast<const T*>(p.v) + b * p.vs.batch + hk * p.vs.head;
   T* og = static_cast<T*>(p.out) + b * p.os.batch + h * p.os.head;
 
-  // The block's rows attend kv positions [lo(m0), hi(rows_end - 1)): both
-  // bounds grow with the row. Kv blocks [nb_begin, n_blocks) hold them.
+  // The block's rows attend kv positions [lo(m0), hi_max(m0, rows_end)).
+  // Kv blocks [nb_begin, n_blocks) hold them.
   const int64_t rows_end = min64(m0 + BM, mask.q_len);
-  const int64_t n_end = rows_end > m0 ? mask.hi(rows_end - 1) : 0;
+  const int64_t n_end = rows_end > m0 ? mask.hi_max(m0, rows_end) : 0;
   const int n_blocks = static_cast<int>((n_end + BN - 1) / BN);
   const int nb_begin = rows_end > m0 ? static_cast<int>(min64(mask.lo(m0), n_end) / BN) : 0;
 
@@ -437,8 +441,9 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tig = lane & 3;
   const int b = blockIdx.z, hk = blockIdx.y;
   const int64_t n0 = int64_t{blockIdx.x} * BN;
-  const EntryMask mask = entry_mask_of(p, b);
-  const int64_t kv_end = min64(n0 + BN, mask.kv_len);  // valid positions [n0, kv_end)
+  // The entry's mask bounds every head's; each head's (per-row kv lengths) below.
+  const EntryMask entry = entry_mask_of(p, b);
+  const int64_t kv_end = min64(n0 + BN, entry.kv_len);  // valid positions [n0, kv_end)
   // This thread's two kv positions.
   const int64_t j0 = n0 + warp * 16 + g, j1 = j0 + 8;
 
@@ -448,9 +453,9 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[t][e] = dv[t][e] = 0.f;
 
-  // Rows that attend some of the block's positions: [i_start, i_end).
-  const int64_t i_start = kv_end > n0 ? mask.rows_reaching(n0).lo : 0;
-  const int64_t i_end = kv_end > n0 ? mask.rows_reaching(kv_end - 1).hi : 0;
+  // Rows that may attend some of the block's positions: [i_start, i_end).
+  const int64_t i_start = kv_end > n0 ? entry.rows_reaching(n0).lo : 0;
+  const int64_t i_end = kv_end > n0 ? entry.rows_reaching(kv_end - 1).hi : 0;
   if (i_start < i_end) {
     const T* kg = static_cast<const T*>(p.k) + b * p.ks.batch + hk * p.ks.head + n0 * p.ks.row;
     const T* vg = static_cast<const T*>(p.v) + b * p.vs.batch + hk * p.vs.head + n0 * p.vs.row;
@@ -461,6 +466,7 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
     for (int gi = 0; gi < p.group; ++gi) {
       const int h = hk * p.group + gi;
       const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
+      const EntryMask mask = entry_mask_of(p, b, h);
       const ScoreMod<float> mod = score_mod_of<float>(p.score, mask, b, h, p.heads);
       // d(bias) of this head's plane: dS itself (bias adds to the score).
       float* const dbias = p.score.dbias_plane<float>(int64_t{b} * p.heads + h);

@@ -13,8 +13,10 @@ from ._context import AttentionTrace, force, kernel_names, trace, train_flag, tr
 from ._variants import Variants
 from ._attention import Decision, Rejection, dot_attention, explain
 from ._context_parallel import ContextParallel, shard, shard_ranges
+from ._varlen import packed_attention, varlen_attention
 from . import nn
 
 __all__ = ["Dim", "Error", "Tensor", "AttentionTrace", "Decision", "Rejection", "Variants", "dot_attention", "explain",
-           "force", "kernel_names", "trace", "train_flag", "train_scope", "ContextParallel", "shard", "shard_ranges"]
+           "force", "kernel_names", "trace", "train_flag", "train_scope", "ContextParallel", "shard", "shard_ranges",
+           "packed_attention", "varlen_attention"]
 __version__ = "0.1.0"

@@ -22,7 +22,6 @@ license forbids distributing modified copies).
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 from numbers import Real
@@ -35,25 +34,26 @@ from returnn.tensor import Dim as RfDim, Tensor as RfTensor
 from returnn.torch.frontend import TorchBackend
 
 import dimattn as da
+from dimattn._varlen import PackedCall
 
 __all__ = ["enable", "disable", "enabled", "is_enabled", "is_strict", "stats", "reset_stats", "trace", "startup_callback",
            "enable_from_config"]
 
-_HOOK = "scaled_dot_product_attention"
 _ABSENT = object()  # TorchBackend had no attribute of its own (it inherited the generic one)
-
-# The reasons a call runs RETURNN's own implementation (docs/returnn.md lists them).
-PER_ROW_KV_LENGTHS = "per-query-row kv lengths"
 
 
 class _Patch:
-    """What enable() replaced: TorchBackend's own attribute (or _ABSENT), the
-    implementation it resolved to (RETURNN's, for fallbacks), and our descriptor."""
+    """What enable() replaced on TorchBackend: per attribute (rf.dot_attention's
+    ``scaled_dot_product_attention`` and the packed backend's varlen kernel hook
+    ``sdpa_varlen_raw``) TorchBackend's own (or _ABSENT) and our descriptor; the
+    implementations they resolved to, for fallbacks."""
 
     def __init__(self, strict: bool):
-        self.saved = TorchBackend.__dict__.get(_HOOK, _ABSENT)
-        self.original = getattr(TorchBackend, _HOOK)
-        self.installed = classmethod(_scaled_dot_product_attention)
+        self.hooks = {name: (TorchBackend.__dict__.get(name, _ABSENT), ours) for name, ours in (
+            ("scaled_dot_product_attention", classmethod(_scaled_dot_product_attention)),
+            ("sdpa_varlen_raw", staticmethod(_sdpa_varlen_raw)))}
+        self.original = TorchBackend.scaled_dot_product_attention
+        self.original_varlen = TorchBackend.sdpa_varlen_raw
         self.strict = strict
 
 
@@ -61,28 +61,32 @@ _patch: Optional[_Patch] = None
 
 
 def enable(strict: bool = False) -> None:
-    """Route ``rf.dot_attention`` on RETURNN's torch backend to dimattn (process-wide).
-    ``strict``: a call dimattn cannot take raises dimattn.Error instead of running
-    RETURNN's implementation. Enabling again only updates ``strict``."""
+    """Route ``rf.dot_attention`` on RETURNN's torch backend to dimattn (process-wide),
+    packed operands (``rf.pack``) included. ``strict``: a call dimattn cannot take
+    raises dimattn.Error instead of running RETURNN's implementation. Enabling again
+    only updates ``strict``."""
     global _patch
     if _patch is None:
         _patch = _Patch(strict)
-        setattr(TorchBackend, _HOOK, _patch.installed)
+        for name, (_, ours) in _patch.hooks.items():
+            setattr(TorchBackend, name, ours)
     _patch.strict = bool(strict)
 
 
 def disable() -> None:
-    """Restore what ``TorchBackend.scaled_dot_product_attention`` was before enable()."""
+    """Restore what TorchBackend's attributes were before enable()."""
     global _patch
     if _patch is None:
         return
-    if TorchBackend.__dict__.get(_HOOK) is not _patch.installed:
-        raise da.Error("[dimattn.returnn] TorchBackend.scaled_dot_product_attention was replaced by someone else "
-                       "after enable(); restoring it would drop their change: undo theirs first")
-    if _patch.saved is _ABSENT:
-        delattr(TorchBackend, _HOOK)
-    else:
-        setattr(TorchBackend, _HOOK, _patch.saved)
+    for name, (_, ours) in _patch.hooks.items():
+        if TorchBackend.__dict__.get(name) is not ours:
+            raise da.Error(f"[dimattn.returnn] TorchBackend.{name} was replaced by someone else after enable(); "
+                           f"restoring it would drop their change: undo theirs first")
+    for name, (saved, _) in _patch.hooks.items():
+        if saved is _ABSENT:
+            delattr(TorchBackend, name)
+        else:
+            setattr(TorchBackend, name, saved)
     _patch = None
 
 
@@ -287,21 +291,6 @@ class _Call:
         return [self.to_rf[id(d)] for d in x.dims]
 
 
-@functools.lru_cache(maxsize=None)
-def _takes_per_row_kv_lengths() -> bool:
-    """Whether this dimattn takes kv lengths that vary over a query-only dim (each
-    query row its own kv length). Asked once, with a call of two rows."""
-    b, t, f = da.Dim("b", 1), da.Dim("t", 2), da.Dim("f", 1)
-    kv = da.Dim.dynamic("kv", da.Tensor(torch.tensor([[1, 2]]), [b, t]))
-    q = da.Tensor(torch.zeros(1, 2, 1), [b, t, f])
-    k = da.Tensor(torch.zeros(1, 2, 1), [b, kv, f])
-    try:
-        da.dot_attention(q, k, k, key_dim=f, axis=kv)
-    except da.Error:
-        return False
-    return True
-
-
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -370,17 +359,14 @@ def _prepare(query: RfTensor, key: RfTensor, value: RfTensor, *, att_dropout_bro
 def _mask(axis: RfDim, query: RfTensor, key: RfTensor) -> RfTensor:
     """RETURNN's own mask of the axis (Dim.get_mask), from which its lengths are
     counted: padded entries of a lengths tensor then mean what the installed RETURNN
-    means. Its other dims must be the keys' (or the query's, once dimattn takes
-    per-row kv lengths)."""
+    means. Its other dims must be the keys' or the query's (dims only the query has
+    give each query row its own kv length)."""
     if axis.dyn_size_ext is None or axis.dyn_size_ext.raw_tensor is None:
         raise _Fallback("axis without lengths")
     mask = axis.get_mask(device=key.device)
     for d in mask.dims:
-        if d != axis and d not in key.dims:
-            if d in query.dims and not _takes_per_row_kv_lengths():
-                raise _Fallback(PER_ROW_KV_LENGTHS)
-            if d not in query.dims:
-                raise _Fallback(f"kv lengths over {d}, which no operand has")
+        if d != axis and d not in key.dims and d not in query.dims:
+            raise _Fallback(f"kv lengths over {d}, which no operand has")
     return mask
 
 
@@ -429,6 +415,38 @@ def _scaled_dot_product_attention(cls, query: RfTensor, key: RfTensor, value: Rf
     for t in traces:
         t.records.append(da.AttentionTrace(record.kernel, result, *((energy, weights) if t.capture_tensors else ())))
     return result
+
+
+def _sdpa_varlen_raw(**kw) -> Optional[torch.Tensor]:
+    """TorchBackend.sdpa_varlen_raw while routing is enabled: RETURNN's packed backend
+    hands its packed ``[tokens, heads, D]`` buffers with their sequences' starts and
+    lengths (returnn/frontend/_backend.py documents the arguments) to
+    dimattn.packed_attention. A call dimattn cannot take returns what RETURNN's own
+    hook returns (None: RETURNN then takes its other packed paths), counted with its
+    reason; so does a call whose selection is dimattn's reference path. Not recorded
+    by trace()."""
+    patch = _patch
+    try:
+        call = PackedCall(kw["query"], kw["key"], kw["value"], kw["seq_starts_q"], kw["seq_lens_q"],
+                          kw["seq_starts_kv"], kw["seq_lens_kv"], kw["max_len_q"], kw["max_len_kv"],
+                          causal=kw["is_causal"], dropout_p=kw["dropout_p"], scale=kw["scale"],
+                          op="dimattn.returnn packed")
+    except da.Error as why:
+        if patch.strict:
+            raise da.Error(f"[dimattn.returnn] RETURNN's packed attention cannot run on dimattn: {why}; disable "
+                           f"strict mode to let RETURNN take its own packed paths for such calls") from None
+        _count("fallback", f"packed: {why}")
+        return patch.original_varlen(**kw)
+    if not call.buckets:  # no token attends: nothing to select
+        return call.run()
+    first = call.buckets[0]
+    decision = _decision(first.query, first.keys, first.values, first.kwargs)
+    if decision.kernel == "reference":
+        _count("reference", "dimattn selected its reference path (packed)")
+        return patch.original_varlen(**kw)
+    out = call.run()
+    _count("routed", decision.kernel)
+    return out
 
 
 def _returnn_tensor(raw: torch.Tensor, dims: List[RfDim], value: RfTensor) -> RfTensor:

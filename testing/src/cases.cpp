@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <sstream>
 
 #include "dimattn/error.h"
@@ -55,6 +56,37 @@ std::string join(const std::vector<int64_t>& xs) {
 }
 
 std::vector<double> as_doubles(const std::vector<int64_t>& xs) { return {xs.begin(), xs.end()}; }
+
+// The case's kv lengths over the dims lengths_over names (AttentionCase says
+// how they are drawn); `dims` are the dims of its letters b, h, g, t, e.
+Tensor kv_lengths(const AttentionCase& c, const Dims& dims, const TensorOptions& ints) {
+  if (c.lengths_over == "b") return from_host({dims[0]}, as_doubles(c.lengths), ints);
+  Dims over;
+  for (char x : c.lengths_over) over.push_back(dims[std::string("bhgte").find(x)]);
+  const size_t bat = c.lengths_over.find('b');
+  int64_t n = 1;
+  for (const Dim& d : over) n *= d.extent();
+  std::vector<double> values(static_cast<size_t>(n));
+  for (int64_t e = 0; e < n; ++e) {
+    // Element e's batch index and flat index over the other dims.
+    int64_t rest = e, b = 0, x = 0, inner = 1;
+    for (size_t a = over.size(); a-- > 0;) {
+      const int64_t i = rest % over[a].extent();
+      rest /= over[a].extent();
+      if (a == bat) {
+        b = i;
+      } else {
+        x += i * inner;
+        inner *= over[a].extent();
+      }
+    }
+    const int64_t most = c.lengths[static_cast<size_t>(b)];
+    int64_t step = 3;
+    while (std::gcd(step, most + 1) != 1) step += 2;
+    values[static_cast<size_t>(e)] = static_cast<double>(most - (step * x + b) % (most + 1));
+  }
+  return from_host(over, values, ints);
+}
 }  // namespace
 
 std::string AttentionCase::describe() const {
@@ -69,7 +101,7 @@ std::string AttentionCase::describe() const {
   if (head_dim_v != head_dim) os << " Dv=" << head_dim_v;
   if (causal) os << " causal";
   if (!offsets.empty()) os << " offsets=" << join(offsets);
-  if (!lengths.empty()) os << " lengths=" << join(lengths);
+  if (!lengths.empty()) os << " lengths=" << join(lengths) << (lengths_over == "b" ? "" : " over " + lengths_over);
   if (dropout > 0) os << " dropout=" << dropout << (broadcast_dropout ? "(broadcast)" : "");
   if (scale) os << " scale=" << *scale;
   os << variants.describe() << " seed=" << seed;
@@ -99,6 +131,17 @@ std::optional<std::string> invalid_reason(const AttentionCase& c) {
     return "give one kv length per batch entry (" + B + ")";
   for (int64_t l : c.lengths)
     if (l < 0 || l > c.seq_k) return "kv lengths must be in [0, " + std::to_string(c.seq_k) + "]";
+  if (c.lengths_over.find('b') == std::string::npos) return "kv lengths vary over the batch dim (b) at least";
+  for (char x : c.lengths_over) {
+    if (std::string("bhgte").find(x) == std::string::npos)
+      return std::string("kv lengths vary over letters of bhgte, got '") + x + "'";
+    if (std::count(c.lengths_over.begin(), c.lengths_over.end(), x) > 1)
+      return std::string("kv lengths dim '") + x + "' appears twice";
+    if (x == 't' && c.kind != Kind::cross) return "kv lengths over the query's time dim need a separate kv dim (kind cross)";
+    if (x == 'g' && c.groups == 1) return "kv lengths over the group dim need groups > 1";
+    if (x == 'e' && c.keys_only == 1) return "kv lengths over the keys-only dim need keys_only > 1";
+  }
+  if (c.lengths_over != "b" && c.lengths.empty()) return "lengths_over needs lengths";
   const CaseVariants& v = c.variants;
   const bool positional = v.positional();
   if (!c.offsets.empty() && !c.causal && !positional) return "causal offsets need causal attention, a window or ALiBi";
@@ -143,11 +186,12 @@ Operands make_operands(const AttentionCase& c, bool requires_grad) {
   Dim batch("batch", c.batch), heads("heads", c.heads), group(c.group_name, c.groups), extra("extra", c.keys_only);
   Dim feat("feat", c.head_dim), vfeat("vfeat", c.head_dim_v);
   const char* kv_name = c.kind == Kind::self ? "time" : "kv";
+  const Dim cross_time("time", c.seq_q);
   Dim kv = c.lengths.empty() ? Dim(kv_name, c.seq_k)
-                             : Dim::dynamic(kv_name, from_host({batch}, as_doubles(c.lengths), ints), c.seq_k);
+                             : Dim::dynamic(kv_name, kv_lengths(c, {batch, heads, group, cross_time, extra}, ints), c.seq_k);
   std::optional<Dim> time;
   if (c.kind == Kind::self) time = kv;
-  if (c.kind == Kind::cross) time = Dim("time", c.seq_q);
+  if (c.kind == Kind::cross) time = cross_time;
 
   const bool packed = c.layout == Layout::packed_qkv;
   const Dim& value_feat = packed ? feat : vfeat;  // a packed buffer has one feature dim

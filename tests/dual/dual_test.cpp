@@ -50,7 +50,8 @@ const std::map<std::string, std::set<std::string>>& cpu_kernels() {
 // - ATen's CPU kernels (backends/torch/torch_attention.cpp) are never offered
 //   dropout (their masks come from ATen's RNG, not the shared Philox stream);
 //   aten_flash_cpu also rejects causal attention with query groups (GQA/beam)
-//   and unequal qk and v head dims.
+//   and unequal qk and v head dims; both reject kv lengths over the query's
+//   own dims (per-row lengths: their mask is per batch entry).
 // - cuda_flash (backends/adapters/cuda_flash_gate.cpp) takes bfloat16 and
 //   float16 with equal head dims of 64 or 128. ATen's CUDA kernels may take
 //   or reject a case (optional_kernels): their gates are ATen's, not checked
@@ -64,7 +65,7 @@ std::set<std::string> expected_kernels(const AttentionCase& c, const std::string
   }
   k.insert("cpu_flash");
   // ATen's kernels take no variant (docs/selection.md).
-  if (backend == "torch" && c.dropout == 0 && !c.variants.any()) {
+  if (backend == "torch" && c.dropout == 0 && !c.variants.any() && !c.per_row_lengths()) {
     k.insert("aten_math");
     if (!(c.causal && c.groups > 1) && c.head_dim == c.head_dim_v) k.insert("aten_flash_cpu");
   }
@@ -238,6 +239,33 @@ void add_cpu_cases(std::vector<AttentionCase>& out) {
                    .lengths = {7, 5}, .variants = {.bias = "gk", .mask = "gtk"}});
     out.push_back({.name = "bias_mask_step" + s, .dtype = dt, .kind = Kind::step, .lengths = {7, 2},
                    .variants = {.bias = "bhk", .mask = "hk"}});
+    // Per-row kv lengths (lengths over the query's own dims: a chunk
+    // attending a history whose lengths vary per query position, beams, GQA
+    // heads), rows of length 0 among them; with GQA, causal offsets,
+    // dropout, an entry without any position, a decoding step, and the
+    // variants. Lengths over a keys-only dim (per kv head) are per entry.
+    out.push_back({.name = "lengths_per_query_row" + s, .dtype = dt, .seq_q = 7, .seq_k = 9, .lengths = {9, 5},
+                   .lengths_over = "bt"});
+    out.push_back({.name = "lengths_per_row_gqa_causal_offset" + s, .dtype = dt, .groups = 2, .seq_q = 4,
+                   .seq_k = 9, .causal = true, .lengths = {9, 6}, .lengths_over = "bhgt", .offsets = {5, 2}});
+    out.push_back({.name = "lengths_per_beam" + s, .dtype = dt, .groups = 3, .group_name = "beam", .seq_q = 4,
+                   .lengths = {7, 5}, .lengths_over = "bg"});
+    out.push_back({.name = "lengths_per_beam_self" + s, .dtype = dt, .kind = Kind::self, .groups = 3,
+                   .group_name = "beam", .seq_q = 6, .seq_k = 6, .lengths = {6, 4}, .lengths_over = "bg"});
+    out.push_back({.name = "lengths_per_beam_step" + s, .dtype = dt, .kind = Kind::step, .groups = 4,
+                   .group_name = "beam", .lengths = {7, 3}, .lengths_over = "gb"});
+    out.push_back({.name = "lengths_per_row_dropout" + s, .dtype = dt, .groups = 2, .seq_q = 6, .seq_k = 9,
+                   .lengths = {9, 4}, .lengths_over = "btg", .dropout = 0.25});
+    out.push_back({.name = "lengths_per_row_broadcast_dropout" + s, .dtype = dt, .seq_q = 6, .lengths = {7, 4},
+                   .lengths_over = "bt", .dropout = 0.5, .broadcast_dropout = true});
+    out.push_back({.name = "lengths_per_row_empty_entry" + s, .dtype = dt, .seq_q = 5, .lengths = {7, 0},
+                   .lengths_over = "bt"});
+    out.push_back({.name = "lengths_per_row_variants" + s, .dtype = dt, .groups = 2, .seq_q = 4, .seq_k = 9,
+                   .causal = true, .lengths = {9, 6}, .lengths_over = "bt", .offsets = {5, 2},
+                   .variants = {.scalars = {.window = AttentionWindow{4, {}}, .softcap = 2.0}, .alibi = true,
+                                .sinks = true, .bias = "htk"}});
+    out.push_back({.name = "keys_only_lengths" + s, .dtype = dt, .keys_only = 3, .seq_q = 4, .lengths = {7, 5},
+                   .lengths_over = "be"});
     out.push_back({.name = "all_variants" + s, .dtype = dt, .groups = 2, .seq_q = 4, .seq_k = 9, .causal = true,
                    .lengths = {9, 6}, .offsets = {5, 2}, .dropout = 0.25,
                    .variants = {.scalars = {.window = AttentionWindow{4, {}}, .softcap = 2.0}, .alibi = true, .sinks = true, .bias = "htk",
@@ -314,6 +342,11 @@ void add_cuda_cases(std::vector<AttentionCase>& out) {
       c = base, c.groups = 2, c.causal = true, c.offsets = {30, 5}, c.lengths = {130, 70}, c.dropout = 0.1,
       c.variants = {.bias = "htk", .mask = "btk"};
       out.push_back(with(c, "bias_mask_gqa_dropout"));
+      c = base, c.lengths = {130, 77}, c.lengths_over = "bt";
+      out.push_back(with(c, "lengths_per_query_row"));
+      c = base, c.groups = 2, c.causal = true, c.offsets = {30, 5}, c.lengths = {130, 90}, c.lengths_over = "bgt",
+      c.dropout = 0.2;
+      out.push_back(with(c, "lengths_per_row_gqa_causal_dropout"));
     }
 }
 

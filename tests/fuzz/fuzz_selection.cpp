@@ -57,7 +57,7 @@ void set_field(AttentionParams& p, int f, FuzzedDataProvider& in) {
     case 5: p.offset = in.ConsumeBool() ? OffsetKind::none : OffsetKind::nonzero; break;
     case 6: p.dropout = in.ConsumeBool(); break;
     case 7: p.dropout_broadcast = in.ConsumeBool(); break;
-    case 8: p.padding = in.ConsumeBool(); break;
+    case 8: p.padding = static_cast<Padding>(in.ConsumeIntegralInRange<int>(0, 2)); break;
     case 9: p.gqa_ratio = in.ConsumeIntegralInRange<int64_t>(1, 16); break;
     case 10: p.keys_only = in.ConsumeBool(); break;
     case 11: p.layout = static_cast<LayoutClass>(in.ConsumeIntegralInRange<int>(0, 4)); break;
@@ -97,7 +97,7 @@ const KernelTable& candidates(int which) {
       {"aten_flash_cpu",
        [](const AttentionParams& p) {
          if (p.dropout || (p.causal && p.gqa_ratio > 1)) return GateResult::fail("dropout or causal gqa");
-         if (p.padding && p.offset == OffsetKind::nonzero) return GateResult::fail("mask");
+         if (p.padding != Padding::none && p.offset == OffsetKind::nonzero) return GateResult::fail("mask");
          if (p.variants.any()) return GateResult::fail("variants");
          return GateResult::pass();
        }},

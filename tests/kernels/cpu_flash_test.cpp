@@ -133,6 +133,11 @@ struct Case {
   std::vector<int64_t> offsets;  // per batch entry; empty = nullptr
   std::vector<int64_t> kv_lens;  // empty = full
   std::vector<int64_t> q_lens;   // empty = full
+  // Per-row kv lengths (AttentionKernelParams::kv_row_lengths): row i of
+  // (b, h) has row_lens[row_offsets[b * H + h] + i * row_stride]; empty =
+  // each row its entry's. kv_lens then holds each entry's maximum (with_row_lengths).
+  std::vector<int64_t> row_lens, row_offsets;
+  int64_t row_stride = 1;
   double p = 0.0;
   bool broadcast = false;
   ElementType dtype = ElementType::float32;
@@ -198,9 +203,11 @@ bool keep(const Case& c, int64_t b, int64_t h, int64_t i, int64_t j) {
 
 double scale_of(const Case& c) { return c.scale != 0 ? c.scale : 1.0 / std::sqrt(static_cast<double>(c.D)); }
 
-bool attends(const Case& c, int64_t b, int64_t i, int64_t j) {
+bool attends(const Case& c, int64_t b, int64_t h, int64_t i, int64_t j) {
   const int64_t q_len = c.q_lens.empty() ? c.Tq : c.q_lens[b];
-  const int64_t kv_len = c.kv_lens.empty() ? c.Tk : c.kv_lens[b];
+  const int64_t kv_len = !c.row_lens.empty() && i < q_len ? c.row_lens[c.row_offsets[b * c.H + h] + i * c.row_stride]
+                         : c.kv_lens.empty()              ? c.Tk
+                                                          : c.kv_lens[b];
   const int64_t off = c.offsets.empty() ? 0 : c.offsets[b];
   return i < q_len && j < kv_len && (!c.causal || j <= i + off);
 }
@@ -223,7 +230,7 @@ Reference reference(const Case& c, const Inputs& in) {
         double m = -kInf;
         for (int64_t j = 0; j < c.Tk; ++j) {
           s[j] = -kInf;
-          if (!attends(c, b, i, j) || !c.mask_allows(b, h, i, j)) continue;
+          if (!attends(c, b, h, i, j) || !c.mask_allows(b, h, i, j)) continue;
           double acc = 0;
           for (int64_t d = 0; d < c.D; ++d) acc += in.q(b, h, i, d) * in.k(b, hk, j, d);
           s[j] = scale * acc;
@@ -384,6 +391,7 @@ KernelRun prepare(const Case& c, const Inputs& in) {
   p.lse_batch_stride = c.H * c.Tq;
   p.q_lengths = c.q_lens.empty() ? nullptr : c.q_lens.data();
   p.kv_lengths = c.kv_lens.empty() ? nullptr : c.kv_lens.data();
+  if (!c.row_lens.empty()) p.kv_row_lengths = {c.row_lens.data(), c.row_offsets.data(), c.row_stride, 0};
   p.causal = c.causal;
   p.causal_offset = c.offsets.empty() ? nullptr : c.offsets.data();
   p.scale = scale_of(c);
@@ -474,6 +482,29 @@ void check_case(const Case& c, bool backward = true, const std::vector<CpuIsa>& 
   }
 }
 
+// Per-row kv lengths drawn in [0, Tk] (about one row in six 0, one in six
+// Tk): per (b, h) row when per_row, else one per (b, h) plane (row stride 0);
+// every head's plane its own, or (shared_heads) one per batch entry that the
+// heads' offsets repeat. kv_lens become the entries' maxima.
+void with_row_lengths(Case& c, bool per_row, bool shared_heads = false) {
+  std::mt19937_64 rng(c.seed + 77);
+  const int64_t planes = shared_heads ? c.B : c.B * c.H, rows = per_row ? c.Tq : 1;
+  c.row_lens.assign(static_cast<size_t>(planes * rows), 0);
+  for (int64_t& x : c.row_lens) {
+    const int64_t r = static_cast<int64_t>(rng() % 6);
+    x = r == 0 ? 0 : r == 1 ? c.Tk : static_cast<int64_t>(rng() % static_cast<uint64_t>(c.Tk + 1));
+  }
+  c.row_stride = per_row ? 1 : 0;
+  c.row_offsets.clear();
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t h = 0; h < c.H; ++h) c.row_offsets.push_back((shared_heads ? b : b * c.H + h) * rows);
+  c.kv_lens.assign(static_cast<size_t>(c.B), 0);
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t h = 0; h < c.H; ++h)
+      for (int64_t i = 0; i < rows; ++i)
+        c.kv_lens[b] = std::max(c.kv_lens[b], c.row_lens[c.row_offsets[b * c.H + h] + i * c.row_stride]);
+}
+
 Case base(const std::string& name, ElementType t = ElementType::float32) {
   Case c;
   c.name = name;
@@ -534,6 +565,49 @@ TEST(CpuFlash, KvLengthsIncludingZeroAndOne) {
     c.B = 4, c.H = 2, c.Hkv = 2, c.Tq = 33, c.Tk = 200, c.D = c.Dv = 16, c.causal = causal;
     c.kv_lens = {0, 1, 50, 200};
     if (causal) c.offsets = {0, 0, 30, 167};
+    check_case(c);
+  }
+}
+
+TEST(CpuFlash, PerRowKvLengths) {
+  // Each query row of each head its own kv length, rows of length 0 among
+  // them (out 0, lse -inf): across kv tiles, with GQA, causal offsets,
+  // dropout, query padding, and the few-rows path that reads kv in place.
+  for (ElementType t : kAllTypes)
+    for (bool causal : {false, true}) {
+      Case c = base(std::string("per-row kv lengths") + (causal ? " causal" : ""), t);
+      c.B = 2, c.H = 4, c.Hkv = 2, c.Tq = 70, c.Tk = 150, c.D = c.Dv = 16, c.causal = causal;
+      if (causal) c.offsets = {80, 10};
+      with_row_lengths(c, true);
+      check_case(c);
+    }
+  for (int64_t d : {64, 128}) {
+    Case c = base("per-row kv lengths causal D=" + std::to_string(d));
+    c.B = 1, c.H = 2, c.Hkv = 1, c.Tq = c.Tk = 300, c.D = c.Dv = d, c.causal = true;
+    with_row_lengths(c, true);
+    check_case(c);
+  }
+  {
+    Case c = base("per-row kv lengths, shared by the heads, dropout, q lengths");
+    c.B = 3, c.H = 3, c.Hkv = 3, c.Tq = 37, c.Tk = 150, c.D = c.Dv = 16, c.p = 0.3, c.q_lens = {37, 20, 0};
+    with_row_lengths(c, true, true);
+    check_case(c);
+  }
+  for (int64_t tq : {1, 3}) {
+    Case c = base("per-row kv lengths, few rows Tq=" + std::to_string(tq));
+    c.B = 2, c.H = 2, c.Hkv = 2, c.Tq = tq, c.Tk = 301, c.D = 12, c.Dv = 16;
+    with_row_lengths(c, true);
+    check_case(c);
+  }
+}
+
+TEST(CpuFlash, PerHeadKvLengths) {
+  // One kv length per (b, h) plane (row stride 0): beams or GQA heads with
+  // histories of their own.
+  for (ElementType t : {ElementType::float32, ElementType::bfloat16}) {
+    Case c = base("per-head kv lengths", t);
+    c.B = 2, c.H = 6, c.Hkv = 2, c.Tq = 40, c.Tk = 133, c.D = c.Dv = 16, c.causal = true, c.offsets = {93, 20};
+    with_row_lengths(c, false);
     check_case(c);
   }
 }
@@ -1063,6 +1137,44 @@ TEST(AttentionMask, RowRangesAreTheReferenceRules) {
   EXPECT_EQ(full.hi(5), 0) << "padding row";
 }
 
+TEST(AttentionMask, PerRowKvLengths) {
+  // Row i of the plane ends at its own length; rows_reaching stays a
+  // contiguous superset of the rows attending j; hi_max and hi_min are the
+  // extremes of hi over any block of rows, with and without per-row lengths.
+  constexpr int64_t Tq = 9, Tk = 11;
+  const int64_t rows[Tq] = {3, 0, 11, 7, 7, 1, 0, 11, 5};
+  for (bool causal : {false, true})
+    for (int64_t left : {int64_t{-1}, int64_t{3}})
+      for (int64_t off : {int64_t{-2}, int64_t{0}, int64_t{4}})
+        for (int64_t stride : {int64_t{0}, int64_t{1}})
+          for (int64_t q_len : {int64_t{5}, Tq}) {
+            const int64_t ql[1] = {q_len}, kl[1] = {11}, of[1] = {off}, plane[1] = {0};
+            const ScorePlanes per_row{rows, plane, stride, 0};
+            const EntryMask m = entry_mask(ql, kl, of, causal, Tq, Tk, 0, RowBounds{left}, per_row, 0);
+            for (int64_t i = 0; i < Tq; ++i)
+              for (int64_t j = 0; j < Tk; ++j) {
+                const int64_t len = rows[i * stride];
+                const bool want =
+                    i < q_len && j < len && (!causal || j <= i + off) && (left < 0 || j >= i + off - left);
+                ASSERT_EQ(m.allowed(i, j), want) << "causal=" << causal << " left=" << left << " offset=" << off
+                                                 << " stride=" << stride << " i=" << i << " j=" << j;
+                if (want) ASSERT_TRUE(m.rows_reaching(j).contains(i)) << "rows_reaching, i=" << i << " j=" << j;
+              }
+            for (int64_t r0 = 0; r0 < q_len; ++r0)
+              for (int64_t r1 = r0 + 1; r1 <= q_len; ++r1) {
+                int64_t most = 0, least = Tk;
+                for (int64_t i = r0; i < r1; ++i) most = std::max(most, m.hi(i)), least = std::min(least, m.hi(i));
+                ASSERT_EQ(m.hi_max(r0, r1), most) << r0 << ", " << r1;
+                ASSERT_EQ(m.hi_min(r0, r1), least) << r0 << ", " << r1;
+              }
+          }
+  // Without a plane index the entry's mask: every row its entry's length.
+  const int64_t kl[1] = {6}, plane[1] = {0};
+  const EntryMask entry = entry_mask(nullptr, kl, nullptr, false, Tq, Tk, 0, {}, {rows, plane, 1, 0});
+  EXPECT_EQ(entry.hi(1), 6);
+  EXPECT_TRUE(entry.monotone());
+}
+
 TEST(AttentionMask, DropoutRuleKeepsUniformAtLeastP) {
   // The kernels' integer test on raw Philox words equals the reference's
   // "uniform >= p" for every p, at and around each threshold.
@@ -1212,6 +1324,15 @@ TEST(CpuFlashParams, RejectsWhatCallersGetWrong) {
     const int64_t lens[1] = {-1};
     p.q_lengths = lens;
     expect_rejected(p, false, "q_lengths[0] = -1");
+  }
+  {
+    AttentionKernelParams p = valid_params(s);
+    const int64_t entry[1] = {2}, rows[3] = {2, 3, 1}, offsets[2] = {0, 0};
+    p.kv_lengths = entry;
+    p.kv_row_lengths = {rows, offsets, 1, 0};
+    expect_rejected(p, false, "kv_row_lengths of batch entry 0, head 0, row 1 = 3 is outside [0, kv_lengths[b]=2]");
+    p.kv_row_lengths.offsets = nullptr;
+    expect_rejected(p, false, "kv_row_lengths needs offsets");
   }
   {
     AttentionKernelParams p = valid_params(s);

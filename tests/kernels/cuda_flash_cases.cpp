@@ -43,6 +43,13 @@ std::vector<CudaKernelCase> cuda_kernel_cases() {
       add({.name = "mqa_empty_entry", .Hkv = 1, .kv_lens = {0, 65}});
       add({.name = "query_lengths_offsets", .causal = true, .q_lens = {100, 37}, .offsets = {-20, 5}});
       if (D == 64) add({.name = "no_query_rows", .Tq = 0});
+      // Each query row its own kv length (a chunk attending a history whose
+      // lengths vary per position, beams, GQA heads), rows of length 0 among them.
+      add({.name = "row_lengths", .row_lengths = CudaKernelCase::RowLengths::per_head});
+      add({.name = "row_lengths_gqa_causal_dropout", .H = 8, .Hkv = 2, .causal = true, .offsets = {30, 5},
+           .row_lengths = CudaKernelCase::RowLengths::per_head, .p = 0.2});
+      add({.name = "row_lengths_shared_sinks_bias", .kv_lens = {130, 60},
+           .row_lengths = CudaKernelCase::RowLengths::shared_by_heads, .sinks = true, .bias = true});
       // Variants.
       add({.name = "all_variants_gqa_dropout", .H = 8, .Hkv = 2, .Tq = 130, .causal = true, .kv_lens = {130, 97},
            .offsets = {0, -9}, .p = 0.2, .window_left = 50, .softcap = 3.0, .alibi = true, .sinks = true,
@@ -124,7 +131,8 @@ struct Oracle {
 Oracle oracle(const CudaKernelCase& c, const std::vector<double>& qkv, const std::vector<double>& kbuf,
               const std::vector<double>& vbuf, const View& qv, const View& kv, const View& vv,
               const std::vector<double>& dout, double scale, const std::vector<double>& slopes,
-              const std::vector<double>& sinks, const std::vector<float>& bias, const std::vector<uint8_t>& mask) {
+              const std::vector<double>& sinks, const std::vector<float>& bias, const std::vector<uint8_t>& mask,
+              const std::vector<int64_t>& row_lens, const std::vector<int64_t>& row_offsets) {
   const int64_t B = c.B, H = c.H, G = c.H / c.Hkv, Tq = c.Tq, Tk = c.Tk, D = c.D;
   Oracle o;
   o.out.assign(B * H * Tq * D, 0);
@@ -141,13 +149,14 @@ Oracle oracle(const CudaKernelCase& c, const std::vector<double>& qkv, const std
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = c.q_lens.empty() ? Tq : c.q_lens[b], kv_len = c.kv_lens.empty() ? Tk : c.kv_lens[b];
     const int64_t off = c.offsets.empty() ? 0 : c.offsets[b];
-    auto allowed = [&](int64_t i, int64_t j) {
-      return i < q_len && j < kv_len && (!c.causal || j <= i + off) &&
-             (c.window_left < 0 || j >= i + off - c.window_left) && (c.window_right < 0 || j <= i + off + c.window_right) &&
-             (!c.mask || mask[(b * Tq + i) * Tk + j] != 0);
-    };
     for (int64_t h = 0; h < H; ++h) {
       const int64_t hk = h / G, bh = b * H + h;
+      auto allowed = [&](int64_t i, int64_t j) {
+        const int64_t len = row_lens.empty() || i >= q_len ? kv_len : row_lens[row_offsets[bh] + i];
+        return i < q_len && j < len && (!c.causal || j <= i + off) &&
+               (c.window_left < 0 || j >= i + off - c.window_left) &&
+               (c.window_right < 0 || j <= i + off + c.window_right) && (!c.mask || mask[(b * Tq + i) * Tk + j] != 0);
+      };
       auto q = [&](int64_t i, int64_t d) { return qkv[qv.at(b, h, i, d)]; };
       auto k = [&](int64_t j, int64_t d) { return kbuf[kv.at(b, hk, j, d)]; };
       auto v = [&](int64_t j, int64_t d) { return vbuf[vv.at(b, hk, j, d)]; };
@@ -323,7 +332,24 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
     std::fill(mask.begin() + i * Tk, mask.begin() + (i + 1) * Tk, uint8_t{0});
   std::vector<int64_t> bias_offsets(B * H), mask_offsets(B * H);
   for (int64_t x = 0; x < B * H; ++x) bias_offsets[x] = (x % H) * Tq * Tk, mask_offsets[x] = (x / H) * Tq * Tk;
-  const Oracle o = oracle(c, qf, kvals, vvals, qv, kv, vv, df, scale, slopes, sinks, bias, mask);
+  // Per-row kv lengths: planes of Tq rows, per (b, h) or per b; the
+  // entries' maxima as kv lengths when the case gives none.
+  std::vector<int64_t> row_lens, row_offsets, kv_lens = c.kv_lens;
+  if (c.row_lengths != CudaKernelCase::RowLengths::off) {
+    const bool shared = c.row_lengths == CudaKernelCase::RowLengths::shared_by_heads;
+    for (int64_t x = 0; x < B * H; ++x) row_offsets.push_back((shared ? x / H : x) * Tq);
+    row_lens.resize((shared ? B : B * H) * Tq);
+    for (size_t x = 0; x < row_lens.size(); ++x) {
+      const int64_t most = c.kv_lens.empty() ? Tk : c.kv_lens[x / ((shared ? 1 : H) * Tq)];
+      row_lens[x] = rng() % 6 == 0 ? 0 : static_cast<int64_t>(rng() % static_cast<uint64_t>(most + 1));
+    }
+    if (kv_lens.empty()) {
+      kv_lens.assign(B, 0);
+      for (int64_t x = 0; x < B * H; ++x)
+        for (int64_t i = 0; i < Tq; ++i) kv_lens[x / H] = std::max(kv_lens[x / H], row_lens[row_offsets[x] + i]);
+    }
+  }
+  const Oracle o = oracle(c, qf, kvals, vvals, qv, kv, vv, df, scale, slopes, sinks, bias, mask, row_lens, row_offsets);
   if (c.zero_queries) {
     EXPECT_GT(o.kept_overflowing, 0) << "the case keeps no weight that 1/(1-p) pushes past float16's range";
   }
@@ -368,7 +394,8 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   cp.out = cpu_out.data(), cp.lse = cpu_lse.data(), cp.dq = cpu_dq.data(), cp.dk = cpu_dk.data(),
   cp.dv = cpu_dv.data();
   cp.q_lengths = c.q_lens.empty() ? nullptr : c.q_lens.data();
-  cp.kv_lengths = c.kv_lens.empty() ? nullptr : c.kv_lens.data();
+  cp.kv_lengths = kv_lens.empty() ? nullptr : kv_lens.data();
+  if (!row_lens.empty()) cp.kv_row_lengths = {row_lens.data(), row_offsets.data(), 1, 0};
   cp.causal_offset = c.offsets.empty() ? nullptr : c.offsets.data();
   std::vector<double> cpu_dsinks(B * H, NAN);
   if (c.alibi) cp.score.alibi = {slopes.data(), 0, 1};
@@ -387,7 +414,8 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   const size_t in_bytes = (c.packed_qkv ? qb.size() : nq) * 2;
   Buf q(runner, in_bytes), k(runner, c.packed_qkv ? 0 : nkv * 2), v(runner, c.packed_qkv ? 0 : nkv * 2),
       dout(runner, nq * 2), out(runner, nq * 2), lse(runner, rows * 4), dq(runner, nq * 2), dk(runner, nkv * 2),
-      dv(runner, nkv * 2), q_lens(runner, 8 * c.q_lens.size()), kv_lens(runner, 8 * c.kv_lens.size()),
+      dv(runner, nkv * 2), q_lens(runner, 8 * c.q_lens.size()), kv_lens_d(runner, 8 * kv_lens.size()),
+      row_lens_d(runner, 8 * row_lens.size()), row_offsets_d(runner, 8 * row_offsets.size()),
       offsets(runner, 8 * c.offsets.size()), slopes_d(runner, c.alibi ? 8 * H : 0),
       sinks_d(runner, c.sinks ? 8 * H : 0), dsinks_d(runner, c.sinks ? 8 * B * H : 0),
       bias_d(runner, 4 * bias.size()), dbias_d(runner, 4 * bias.size()), mask_d(runner, mask.size()),
@@ -400,7 +428,11 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   put(v, vb.data());
   put(dout, db.data());
   put(q_lens, c.q_lens.data());
-  put(kv_lens, c.kv_lens.data());
+  put(kv_lens_d, kv_lens.data());
+  put(row_lens_d, row_lens.data());
+  put(row_offsets_d, row_offsets.data());
+  if (!row_lens.empty())
+    p.kv_row_lengths = {row_lens_d.p, static_cast<const int64_t*>(row_offsets_d.p), 1, 0};
   put(offsets, c.offsets.data());
   put(slopes_d, slopes.data());
   put(sinks_d, sinks.data());
@@ -427,7 +459,7 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   p.v = c.packed_qkv ? (base ? base + vv.offset : nullptr) : v.p;
   p.dout = dout.p, p.out = out.p, p.lse = lse.p, p.dq = dq.p, p.dk = dk.p, p.dv = dv.p;
   p.q_lengths = static_cast<const int64_t*>(q_lens.p);
-  p.kv_lengths = static_cast<const int64_t*>(kv_lens.p);
+  p.kv_lengths = static_cast<const int64_t*>(kv_lens_d.p);
   p.causal_offset = static_cast<const int64_t*>(offsets.p);
   ASSERT_EQ(cuda_flash_gate(p, true), "");
   // A workspace of 0 bytes (no query rows) is passed as null.

@@ -27,6 +27,11 @@ struct CudaKernelCase {
   bool causal = false;
   bool packed_qkv = false;  // q, k, v are views of one [B, T, H + 2 Hkv, D] buffer (Tq = Tk)
   std::vector<int64_t> q_lens, kv_lens, offsets;
+  // Per-row kv lengths (attention_params.h's kv_row_lengths), drawn in [0,
+  // kv_lens[b]] (Tk without kv_lens, whose place the entries' maxima take
+  // then), one in six 0: per (b, h, row), or per (b, row) shared by the heads
+  // (their plane offsets repeat).
+  enum class RowLengths { off, per_head, shared_by_heads } row_lengths = RowLengths::off;
   double p = 0;
   bool broadcast = false;
   bool zero_queries = false;  // q = 0: every allowed weight equal (the dropout overflow case)
@@ -53,7 +58,8 @@ inline void PrintTo(const CudaKernelCase& c, std::ostream* os) { *os << c.name; 
 // Every case: the CUDA dual harness's cases at kernel level (cross, causal
 // self-attention, kv lengths, causal offsets, GQA, MQA, dropout, broadcast
 // dropout, packed qkv views), the edge cases (zero-length entries, query
-// lengths, negative offsets, dropout near 1 in float16) and the variants
+// lengths, negative offsets, dropout near 1 in float16, per-row kv lengths
+// with rows of length 0) and the variants
 // (windows, soft-capping, ALiBi, sinks, bias, mask, and all of them with dropout), each
 // for bfloat16 and float16, head dims 64 and 128.
 std::vector<CudaKernelCase> cuda_kernel_cases();

@@ -150,7 +150,7 @@ TEST(CudaFlashSelectionGate, AcceptsWhatTheKernelComputes) {
   p.causal = true;
   p.offset = OffsetKind::nonzero;
   p.dropout = p.dropout_broadcast = true;
-  p.padding = true;
+  p.padding = Padding::per_row;
   p.gqa_ratio = 4;
   p.layout = LayoutClass::packed_qkv;
   p.requires_grad = true;

@@ -132,6 +132,38 @@ def test_history_lengths_over_batch_and_time():
     assert (auto.raw_in([batch, time, vfeat])[1, 2] == 0).all()  # no valid kv position: 0, not NaN
 
 
+@pytest.mark.parametrize("kernel", ["cpu_flash", "reference"])
+def test_kv_lengths_per_query_row(kernel):
+    """A chunk attending a history whose lengths vary over the batch and the chunk's
+    own time dim, which keys and values lack (each query row its own kv length, a
+    row of length 0 among them), against plain torch, with gradients."""
+    batch, heads, _, feat, vfeat = dims()
+    time = da.Dim("time", 4)
+    lens = torch.tensor([[1, 3, 5, 2], [0, 5, 4, 2]])
+    hist = da.Dim.dynamic("hist", da.Tensor(lens, [batch, time]))
+    q = named([batch, heads, time, feat], 1, torch.float64, requires_grad=True)
+    k = named([batch, heads, (hist, 5), feat], 2, torch.float64, requires_grad=True)
+    v = named([batch, heads, (hist, 5), vfeat], 3, torch.float64, requires_grad=True)
+    with da.force(kernel), da.trace(capture_tensors=False) as t:
+        out = da.dot_attention(q, k, v, key_dim=feat, axis=hist)
+    assert [r.kernel for r in t.records] == [kernel]
+    assert set(out.dims) == {batch, heads, time, vfeat}
+    got = out.raw_in([batch, heads, time, vfeat])
+
+    # Plain torch, without NaN in the gradients of the empty row: masked scores
+    # far below the others (exp gives exactly 0), and that row's output times 0.
+    mask = torch.arange(5) < lens[:, None, :, None]  # [batch, 1, time, hist]
+    e = (q.raw @ k.raw.transpose(-1, -2)) / D ** 0.5
+    plain = torch.softmax(e.masked_fill(~mask, -1e30), -1) @ v.raw * mask.any(-1, keepdim=True)
+    assert (got - plain).abs().max() <= 1e-12
+    assert (got[1, :, 0] == 0).all()  # no kv position: 0, not NaN
+    w = torch.randn_like(plain)
+    grads = torch.autograd.grad((got * w).sum(), (q.raw, k.raw, v.raw))
+    want = torch.autograd.grad((plain * w).sum(), (q.raw, k.raw, v.raw))
+    for name, a, b in zip("qkv", grads, want):
+        assert (a - b).abs().max() <= 1e-12, name
+
+
 def test_single_step_query():
     batch, heads, time, feat, vfeat = dims()
     q = named([batch, heads, feat], 1)

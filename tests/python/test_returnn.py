@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import returnn.frontend as rf
+import returnn.frontend.packed as packed
 from returnn.config import Config
 from returnn.tensor import Dim, Tensor, batch_dim, single_step_dim
 from returnn.torch.frontend import TorchBackend
@@ -29,6 +30,8 @@ rf.select_backend_torch()
 
 # RETURNN's own implementation, as TorchBackend resolves it without dimattn.
 GENERIC = TorchBackend.scaled_dot_product_attention.__func__
+
+GENERIC_VARLEN = TorchBackend.sdpa_varlen_raw  # the packed backend's varlen hook: RETURNN's returns None
 
 _totals = {"routed": 0, "fallback": 0, "reference": 0, "reasons": {}, "kernels": {}}
 
@@ -373,36 +376,20 @@ def chunked_causal_self_attention():
 
 def test_causal_self_attention_layer_chunks_with_state():
     """The second chunk attends a history dim whose lengths vary over the chunk's
-    time (each query row its own kv length). Until dimattn takes such lengths
-    (issue 26, item 2) that call runs RETURNN's implementation, counted with its
-    reason; every output equals the full sequence's."""
+    time (each query row its own kv length): dimattn takes such lengths per row, so
+    both chunks are routed through a fused kernel, none falls back, and every output
+    equals RETURNN's and the full sequence's."""
     layer, x, (batch, model, time, c1, c2), chunks = chunked_causal_self_attention()
     full = aligned(layer(x, axis=time)[0], [batch, time, model])
     ref = chunks()
-    with dr.enabled():
+    with dr.enabled(), da.trace(capture_tensors=False) as t:
         y1, y2 = chunks()
     for a, b in zip((y1, y2), ref):
         assert (aligned(a, b.dims) - b.raw_tensor).abs().max() < 1e-5
     assert (aligned(y1, [batch, c1, model]) - full[:, :4]).abs().max() < 1e-5
     assert (aligned(y2, [batch, c2, model]) - full[:, 4:]).abs().max() < 1e-5
-    s = dr.stats()
-    assert s["routed"] + s["fallback"] == 2 and s["routed"] >= 1
-    if s["fallback"]:
-        assert s["reasons"] == {dr.PER_ROW_KV_LENGTHS: 1}
-
-
-needs_per_row_kv_lengths = pytest.mark.xfail(
-    strict=True, reason="dimattn does not yet take kv lengths that vary over a query dim (issue 26, item 2); when it "
-                        "does, this passes: remove the marker")
-
-
-@needs_per_row_kv_lengths
-def test_causal_self_attention_layer_chunks_with_state_are_routed():
-    _, _, _, chunks = chunked_causal_self_attention()
-    with dr.enabled(), da.trace(capture_tensors=False) as t:
-        chunks()
     assert dr.stats()["routed"] == 2 and dr.stats()["fallback"] == 0, dr.stats()
-    assert all(r.kernel != "reference" for r in t.records)
+    assert len(t.records) == 2 and all(r.kernel != "reference" for r in t.records), [r.kernel for r in t.records]
 
 
 def test_rel_pos_self_attention_stays_on_returnn():
@@ -565,6 +552,7 @@ def test_enable_disable_restore_exactly_what_was_there():
         assert dr.is_enabled() and not dr.is_strict()  # the outer scope's routing stays
     assert not dr.is_enabled() and "scaled_dot_product_attention" not in TorchBackend.__dict__
     assert TorchBackend.scaled_dot_product_attention.__func__ is GENERIC
+    assert "sdpa_varlen_raw" not in TorchBackend.__dict__ and TorchBackend.sdpa_varlen_raw is GENERIC_VARLEN
 
     own = classmethod(lambda cls, *a, **kw: GENERIC(cls, *a, **kw))  # a backend's own override
     TorchBackend.scaled_dot_product_attention = own
@@ -574,6 +562,71 @@ def test_enable_disable_restore_exactly_what_was_there():
         assert TorchBackend.__dict__["scaled_dot_product_attention"] is own
     finally:
         del TorchBackend.scaled_dot_product_attention
+
+
+# --- packed operands (rf.pack): the packed backend's varlen hook -------------------------------
+
+def packed_dims(lengths, heads=H):
+    batch, hd, feat = Dim(len(lengths), name="batch"), Dim(heads, name="heads"), Dim(D, name="feat")
+    return batch, hd, feat, dyn("time", lengths, [batch])
+
+
+def pack_like(x, first, dims):
+    """x packed over ``dims`` sharing ``first``'s packing (one packed dim: RETURNN's
+    varlen path takes key and value only when they share it)."""
+    return rf.pack(x, dims=dims, out_dim=None if first is None else first.raw_tensor.packed_dim)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lengths", [[7, 4, 1], [1], [5, 0, 9]], ids=["mixed", "one", "with_empty"])
+def test_packed_self_attention_runs_on_dimattn(lengths, causal):
+    """rf.dot_attention over packed q, k, v (RETURNN's packed backend) calls
+    TorchBackend.sdpa_varlen_raw, which RETURNN's torch backend leaves without a kernel
+    (on the CPU it then has no packed path at all). Routed, it runs dimattn's fused
+    kernel; unpacked, the output and the gradients equal RETURNN's own attention over
+    the padded tensors."""
+    batch, heads, feat, time = packed_dims(lengths)
+    x, k, v = (rand([batch, time, heads, feat], seed) for seed in (11, 12, 13))
+    ref = rf.dot_attention(x, k, v, key_dim=feat, axis=time, causal_query_spatial_dim=time if causal else None)
+    leaves = [x.raw_tensor, k.raw_tensor, v.raw_tensor]
+    with dr.enabled(strict=True):
+        xp = pack_like(x, None, [batch, time])
+        kp, vp = pack_like(k, xp, [batch, time]), pack_like(v, xp, [batch, time])
+        out = rf.dot_attention(xp, kp, vp, key_dim=feat, axis=time, causal_query_spatial_dim=time if causal else None)
+        assert packed.is_packed(out)
+        out = packed.unpack(out)
+    assert dr.stats()["routed"] == 1 and dr.stats()["kernels"] == {"cpu_flash": 1}, dr.stats()
+    order = [batch, time, heads, feat]
+    mask = aligned(time.get_mask(), [batch, time])[:, :, None, None]
+    a, b = torch.where(mask, aligned(out, order), 0), torch.where(mask, aligned(ref, order), 0)
+    assert (a - b).abs().max() <= TOL[torch.float32], (a - b).abs().max()
+    g = torch.randn(a.shape, generator=torch.Generator().manual_seed(5))
+    for ga, gb in zip(torch.autograd.grad((a * g).sum(), leaves), torch.autograd.grad((b * g).sum(), leaves)):
+        # RETURNN's padded attention gives NaN gradients to a sequence of length 0 (a
+        # softmax over nothing); dimattn's are 0 there, and finite everywhere.
+        defined = torch.isfinite(gb)
+        assert torch.isfinite(ga).all() and (ga[~defined] == 0).all()
+        assert (ga - gb)[defined].abs().max() <= 2 * TOL[torch.float32]
+
+
+def test_packed_hook_fallback_and_strict():
+    """A call the varlen hook cannot take (here: heads not a multiple of the kv heads)
+    returns what RETURNN's own hook returns (None, so RETURNN takes its other packed
+    paths), counted with its reason; strict mode raises instead."""
+    args = dict(query=torch.randn(5, 3, 4), key=torch.randn(5, 2, 4), value=torch.randn(5, 2, 4),
+                seq_starts_q=torch.tensor([0, 2], dtype=torch.int32), seq_lens_q=torch.tensor([2, 3], dtype=torch.int32),
+                seq_starts_kv=torch.tensor([0, 2], dtype=torch.int32), seq_lens_kv=torch.tensor([2, 3], dtype=torch.int32),
+                max_len_q=3, max_len_kv=3, is_causal=False, dropout_p=0.0, scale=0.5)
+    with dr.enabled():
+        assert TorchBackend.sdpa_varlen_raw(**args) is None
+    s = dr.stats()
+    assert s["fallback"] == 1 and any("multiple of key's 2 heads" in r for r in s["reasons"]), s
+    with dr.enabled(strict=True), pytest.raises(da.Error, match="packed attention cannot run on dimattn"):
+        TorchBackend.sdpa_varlen_raw(**args)
+    args["key"], args["value"] = torch.randn(5, 3, 4), torch.randn(5, 3, 4)
+    with dr.enabled(strict=True):
+        out = TorchBackend.sdpa_varlen_raw(**args)
+    assert out.shape == (5, 3, 4) and dr.stats()["routed"] == 1
 
 
 # --- forcing and tracing -----------------------------------------------------------------------

@@ -31,6 +31,12 @@ const char* layout_name(LayoutClass);
 
 enum class OffsetKind { none, nonzero };  // causal offset: none/0, or a history length
 
+// The kv padding a call masks: none (a static kv axis), lengths per batch
+// entry (they vary over batch dims and keys-only dims only), or per query
+// row (they vary over the query's own dims too: each row its own kv length).
+enum class Padding { none, per_entry, per_row };
+const char* padding_name(Padding);
+
 struct AttentionParams {
   DeviceType device = DeviceType::cpu;
   DType dtype = DType::float32;
@@ -40,7 +46,7 @@ struct AttentionParams {
   OffsetKind offset = OffsetKind::none;
   bool dropout = false;
   bool dropout_broadcast = false;
-  bool padding = false;      // dynamic kv lengths to mask
+  Padding padding = Padding::none;  // dynamic kv lengths to mask
   int64_t gqa_ratio = 1;     // query rows per kv head from query groups (GQA, beam); 1 without groups
   bool keys_only = false;    // keys/values carry dims the query lacks (broadcast)
   // Variants present (AttentionCall::variants.set(); their sizes and values never

@@ -77,12 +77,13 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
   const int64_t dp = w.dp, dvp = w.dvp, ldk = w.ldk;
   using Operands = BackwardOperands<S, A>;
   Operands& ops = w.ops;
-  const EntryMask mask = entry_mask_of(p, b);
+  // The entry's mask bounds every head's; each head's (per-row kv lengths) below.
+  const EntryMask entry = entry_mask_of(p, b);
   const int64_t kc0 = chunk * plan.chunk_len, kc1 = std::min(kc0 + plan.chunk_len, p.seqlen_k);
-  const int64_t kend = std::min(kc1, mask.kv_len);  // valid positions [kc0, kend)
-  // Rows that attend some position of the chunk: [i_start, i_end).
+  const int64_t kend = std::min(kc1, entry.kv_len);  // valid positions [kc0, kend)
+  // Rows that may attend some position of the chunk: [i_start, i_end).
   const Range rows_in =
-      kend > kc0 ? Range{mask.rows_reaching(kc0).lo, mask.rows_reaching(kend - 1).hi} : Range{0, 0};
+      kend > kc0 ? Range{entry.rows_reaching(kc0).lo, entry.rows_reaching(kend - 1).hi} : Range{0, 0};
   const int64_t i_start = rows_in.lo, i_end = rows_in.hi;
   const bool any = !rows_in.empty();
   const A qk_mul = static_cast<A>(p.scale * 1.4426950408889634);
@@ -100,6 +101,7 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
   for (int64_t g = 0; g < G; ++g) {
     const int64_t h = hk * G + g;
     const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
+    const EntryMask mask = entry_mask_of(p, b, h);
     const ScoreMod<A> masked = score_mod_of<A>(p.score, mask, b, h, p.heads);
     ScoreMod<A> unmasked = masked;  // for the bool mask's full blocks
     unmasked.mask = nullptr;
@@ -147,6 +149,7 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
         const int64_t it1 = std::min(i_end, mask.rows_reaching(j0 + n - 1).hi);
         for (int64_t i0 = it0; i0 < it1; i0 += plan.bq) {
           const int64_t mm = std::min(plan.bq, it1 - i0);
+          if (mask.hi_max(i0, i0 + mm) <= j0) continue;  // rows whose own kv lengths end before the tile
           const int64_t r0 = i0 - i_start;  // the block's first row in the task's copies
           const A* lse2 = w.lse2 + (i0 - i_start);
           const A* di = w.di + (i0 - i_start);
@@ -155,9 +158,10 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
           const TileClass cls = tiles.on() ? tiles.of(b * p.heads + h, i0, i0 + mm, j0) : TileClass::partial;
           if (cls == TileClass::empty) continue;
           const ScoreMod<A>& mod = cls == TileClass::full ? unmasked : masked;
-          // Causal diagonal tiles: row r attends the tile's first nv[r]
-          // positions, kv position c is attended from local row kbeg[c] on.
-          const bool partial = mask.hi(i0) < j0 + n;
+          // Causal diagonal tiles (and rows with their own kv lengths): row r
+          // attends the tile's first nv[r] positions, kv position c is
+          // attended from local row kbeg[c] on at most.
+          const bool partial = mask.hi_min(i0, i0 + mm) < j0 + n;
           const int64_t *nvs = nullptr, *kbeg = nullptr;
           if (partial) {
             for (int64_t r = 0; r < mm; ++r) w.nv[r] = std::clamp<int64_t>(mask.hi(i0 + r) - j0, 0, n);

@@ -54,7 +54,9 @@ struct DropoutSpec {
   }
 };
 
-// The mask of batch entry b of a call.
-inline EntryMask entry_mask_of(const AttentionKernelParams& p, int64_t b) {
-  return entry_mask(p.q_lengths, p.kv_lengths, p.causal_offset, p.causal, p.seqlen_q, p.seqlen_k, b, p.bounds);
+// The mask of batch entry b of a call (with per-row kv lengths, kv_len
+// bounds every row's), and that of its head h (with its rows' lengths).
+inline EntryMask entry_mask_of(const AttentionKernelParams& p, int64_t b, int64_t h = -1) {
+  return entry_mask(p.q_lengths, p.kv_lengths, p.causal_offset, p.causal, p.seqlen_q, p.seqlen_k, b, p.bounds,
+                    p.kv_row_lengths, h < 0 ? -1 : b * p.heads + h);
 }

@@ -85,7 +85,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
   const int64_t D = p.head_dim, Dv = p.head_dim_v, dvp = w.dvp, ldk = w.ldk;
   using Operands = ForwardOperands<S, A>;
   Operands& ops = w.ops;
-  const EntryMask mask = entry_mask_of(p, b);
+  const EntryMask mask = entry_mask_of(p, b, h);
   const ScoreMod<A> masked = score_mod_of<A>(p.score, mask, b, h, p.heads);
   ScoreMod<A> unmasked = masked;  // for the bool mask's full tiles
   unmasked.mask = nullptr;
@@ -105,8 +105,8 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
   for (int64_t i = std::max(r0, rv); i < r1; ++i) write_empty_row(i);
   if (r0 >= rv) return;
   const int64_t m = rv - r0;
-  // The block attends [lo(r0), hi(rv - 1)): both bounds grow with the row.
-  const int64_t kv_end = mask.hi(rv - 1);
+  // The block attends [lo(r0), hi_max(r0, rv)).
+  const int64_t kv_end = mask.hi_max(r0, rv);
 
   // Scores in log2 units: exp(scale * q.k) = 2^(q' . k) with q' = q * scale * log2(e).
   const A qmul = static_cast<A>(p.scale * 1.4426950408889634);
@@ -133,9 +133,9 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
     if (cls == TileClass::empty) continue;
     const ScoreMod<A>& mod = cls == TileClass::full ? unmasked : masked;
     // Rows attend a prefix of the tile; only tiles crossing a row's limit
-    // (causal diagonal) mask, and there the products skip the blocks past
-    // every row's prefix.
-    const bool partial = mask.hi(r0) < j0 + n;
+    // (causal diagonal, per-row lengths) mask, and there the products skip
+    // the blocks past every row's prefix.
+    const bool partial = mask.hi_min(r0, rv) < j0 + n;
     const int64_t* nvs = nullptr;
     if (partial) {
       for (int64_t r = 0; r < m; ++r) w.nv[r] = std::clamp<int64_t>(mask.hi(r0 + r) - j0, 0, n);

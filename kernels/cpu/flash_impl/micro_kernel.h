@@ -67,10 +67,11 @@ DIMATTN_INLINE void micro_rows(int rows, int64_t kdim, const U* a, int64_t lda, 
   micro_kernel<T, U, kATrans, kAccumulate, R, NV>(kdim, a, lda, b, ldb, c, ldc);
 }
 
-// Causal tiles are triangular: per row of C, nondecreasing bounds that let
-// whole micro-blocks be skipped or shortened, so that work follows the valid
-// (row, kv) pairs instead of the rectangle. nullptr = the full rectangle.
-// Bounds count elements of k (rows or kv positions), whatever U packs.
+// Causal tiles are triangular, and rows with their own kv lengths ragged:
+// per row of C, bounds (in any order) that let whole micro-blocks be skipped
+// or shortened, so that work follows the valid (row, kv) pairs instead of the
+// rectangle. nullptr = the full rectangle. Bounds count elements of k (rows
+// or kv positions), whatever U packs.
 struct Ragged {
   const int64_t* cols = nullptr;     // row i needs C[i][0 : cols[i]] only (other columns: unspecified)
   const int64_t* k_begin = nullptr;  // A(i, k) = 0 for k < k_begin[i]
@@ -107,10 +108,12 @@ void gemm(int64_t m, int64_t n, int64_t kdim, const U* a, int64_t lda, const BMa
   static_assert(P == 2 * Simd<T>::W, "a panel is two accumulator vectors wide");
   auto block = [&](auto nv_tag, int64_t i, int64_t j) {
     constexpr int NV = decltype(nv_tag)::value;
-    const int64_t rows = std::min<int64_t>(kMicroRows, m - i), last = i + rows - 1;
-    if (rg.cols && j >= rg.cols[last]) return;
-    const int64_t kb = rg.k_begin ? std::min(rg.k_begin[i] / K, kdim) : 0;
-    const int64_t ke = rg.k_end ? std::min((rg.k_end[last] + K - 1) / K, kdim) : kdim;
+    const int64_t rows = std::min<int64_t>(kMicroRows, m - i);
+    // The block's rows' widest bounds (nondecreasing ones: its first and last row's).
+    auto most = [&](const int64_t* x) { return *std::max_element(x + i, x + i + rows); };
+    if (rg.cols && j >= most(rg.cols)) return;
+    const int64_t kb = rg.k_begin ? std::min(*std::min_element(rg.k_begin + i, rg.k_begin + i + rows) / K, kdim) : 0;
+    const int64_t ke = rg.k_end ? std::min((most(rg.k_end) + K - 1) / K, kdim) : kdim;
     if (kAccumulate && ke <= kb) return;
     const U* ab = kATrans ? a + i + kb * lda : a + i * lda + kb;
     const U* bb = b.p + (j / P) * b.panel + (j % P) + kb * b.ld;

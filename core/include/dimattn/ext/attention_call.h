@@ -12,7 +12,9 @@
 // Keys and values never carry them: a kernel treats groups as more query rows
 // or as GQA heads, as views where strides allow, and never tiles keys/values.
 // Causal masks use the query_spatial position and broadcast over groups.
-// kv_spatial never appears in the query.
+// kv_spatial never appears in the query. A dynamic kv_spatial's lengths vary
+// over a subset of batch ∪ keys_only ∪ query_groups ∪ {query_spatial}: each
+// query row attends the kv positions below its own length.
 #include <cstdint>
 #include <optional>
 
@@ -52,6 +54,9 @@ struct AttentionCall {
   AttentionVariants variants;
 
   bool positional() const { return causal || variants.positional(); }
+  // The kv axis's lengths: none (static), per batch entry, or per query row
+  // (they vary over query_spatial or query_groups).
+  Padding padding() const;
 };
 
 // The roles of a call as AttentionParams, with the given layout class (the

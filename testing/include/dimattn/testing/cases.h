@@ -74,6 +74,16 @@ struct AttentionCase {
   int64_t head_dim = 8, head_dim_v = 8;
   bool causal = false;
   std::vector<int64_t> lengths;  // kv lengths per batch entry; empty: a static kv dim
+  // The dims the kv lengths vary over, letters of "bhgte": b batch (always
+  // among them), h heads, g the group dim, t the query's time dim (kind
+  // cross), e the keys-only dim. "b": `lengths` as they are. With more
+  // letters, entry b's lengths are lengths[b] - (s·x + b) mod (lengths[b] + 1),
+  // x the flat index over the other letters' dims (row-major, in the order
+  // given) and s the first of 3, 5, 7, ... coprime to lengths[b] + 1: per
+  // query row ("bt"), per beam ("bg"), per kv head ("bh", "be"), in a
+  // scrambled order, each length of [0, lengths[b]] (0 among them) appearing
+  // once there are enough rows.
+  std::string lengths_over = "b";
   // Causal offset (a chunk appended to a history): one value is a rank-0
   // offset, else one per batch entry; empty: none.
   std::vector<int64_t> offsets;
@@ -88,6 +98,11 @@ struct AttentionCase {
   // |q·k·scale| of unit-normal q, k: softmax_scale() · sqrt(head_dim) (1
   // with the default scale; extreme-logit cases make it ~1e4).
   double logit_scale() const;
+  // Whether the kv lengths vary over the query's own dims (g, t): each query
+  // row its own kv length.
+  bool per_row_lengths() const {
+    return !lengths.empty() && lengths_over.find_first_of("gt") != std::string::npos;
+  }
   // Query rows attending each kv row: groups x query positions.
   int64_t query_rows() const { return groups * (kind == Kind::step ? 1 : seq_q); }
   // Forward FLOPs, 4·B·extra·H·rows·Tk·D, halved for causal (DESIGN.md §9).
