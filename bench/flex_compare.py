@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """dimattn against FlexAttention on the CPU (issue 28), forward only, in one process.
 
-    PYTHONPATH=python DIMATTN_TORCH_OPS=build/python/libdimattn_torch_ops.so \\
-        ~/.cache/dimattn/venv/bin/python bench/flex_compare.py --T 2048
+    ~/.cache/dimattn/venv/bin/python bench/flex_compare.py --T 2048
+
+(the checkout's python/ package and build/python's op library unless PYTHONPATH or
+DIMATTN_TORCH_OPS say otherwise; inductor compiles in this process, without a pool of
+worker processes, unless TORCHINDUCTOR_COMPILE_THREADS says otherwise).
 
 Per variant, dtype and T (B = 1, H = 8, D = 64 by default): the median wall time of
   dimattn   dimattn.dot_attention with the variant (the kernel that ran is checked:
@@ -25,14 +28,21 @@ load before and after. --quick: T = 256, 3 rounds (a smoke run).
 import argparse
 import datetime
 import os
+import pathlib
 import platform
 import re
+import sys
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # before torch reads it
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
 
-import dimattn as da
+try:
+    import dimattn as da
+except ModuleNotFoundError:  # run from a checkout without PYTHONPATH: its python/ (and build/python's library)
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "python"))
+    import dimattn as da
 from bench_timing import interleaved
 
 VARIANTS = ["causal", "window", "softcap", "alibi", "documents", "window_documents"]
