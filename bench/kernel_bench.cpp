@@ -65,6 +65,8 @@ const char* kUsage =
     "  --no-ref            skip the reference path\n"
     "  --window=N          causal configurations: also time ours with a window of N past positions\n"
     "                      (forward; its time ratio against full causal vs its FLOP ratio)\n"
+    "  --softcap=C         also time ours with soft-capping at C (forward and backward on the first\n"
+    "                      --isa path; its time ratio against the plain run)\n"
     "  --ref-max-T=N       reference path only for T <= N (default 1024)\n"
     "  --pool=aten|own     pool for our kernel: at::parallel_for (default) or kernels::ThreadPool\n"
     "  --clock=wall|cpu    time by wall clock (default) or by the process's CPU time: with\n"
@@ -131,6 +133,7 @@ Options parse(int argc, char** argv) {
       else if ((v = value_of(a, "--heads"))) o.heads = std::stoll(*v);
       else if ((v = value_of(a, "--ref-max-T"))) o.ref_max_T = std::stoll(*v);
       else if ((v = value_of(a, "--window"))) o.window = std::stoll(*v);
+      else if ((v = value_of(a, "--softcap"))) o.softcap = std::stod(*v);
       else if ((v = value_of(a, "--pool"))) {
         if (*v != "aten" && *v != "own") usage_error("--pool is aten or own, got " + *v);
         o.own_pool = *v == "own";
@@ -164,6 +167,7 @@ Options parse(int argc, char** argv) {
       usage_error(e.what());
     }
   }
+  if (!(o.softcap >= 0)) usage_error("--softcap must be >= 0 (0 = off)");
   if (o.threads < 1 || o.min_reps < 1 || o.max_reps < o.min_reps || o.batch < 1 || o.heads < 1)
     usage_error("--threads, --min-reps, --batch, --heads must be >= 1 and --max-reps >= --min-reps");
   return o;

@@ -36,6 +36,7 @@ struct Options {
   bool reference = true;
   int64_t ref_max_T = 1024;
   int64_t window = 0;  // > 0: also time ours with a causal window of this many past positions
+  double softcap = 0;  // > 0: also time ours with this soft-cap (forward and backward)
   bool own_pool = false;
   bool cpu_clock = false;  // process CPU time instead of wall time
   double budget_s = 3.0;    // timed rounds per configuration, in seconds (estimate)

@@ -173,6 +173,22 @@ Row run_config(const Options& o, const std::string& dtype, int64_t D, int64_t T,
     windowed.lse = nullptr;
     vs.push_back({"ours window fwd", [&] { k::flash_attention_forward_cpu(windowed, pf, row.ours[0].requested); }});
   }
+  // Soft-capping on the first path, forward and backward on outputs of its
+  // own: the same products, plus the cap's tanh per score (and 1 - tanh^2
+  // per dS), so its time against the plain one is that per-element cost.
+  k::AttentionKernelParams capped = row.ours[0].p;
+  at::Tensor cap_out, cap_lse, cap_dq, cap_dk, cap_dv;
+  if (o.softcap > 0) {
+    capped.score.softcap = o.softcap;
+    cap_out = at::empty_like(pr.out), cap_lse = at::empty_like(pr.lse);
+    capped.out = cap_out.data_ptr(), capped.lse = cap_lse.data_ptr();
+    vs.push_back({"ours softcap fwd", [&] { k::flash_attention_forward_cpu(capped, pf, row.ours[0].requested); }});
+    if (o.backward) {
+      cap_dq = at::empty_like(pr.q), cap_dk = at::empty_like(pr.k), cap_dv = at::empty_like(pr.v);
+      capped.dq = cap_dq.data_ptr(), capped.dk = cap_dk.data_ptr(), capped.dv = cap_dv.data_ptr();
+      vs.push_back({"ours softcap bwd", [&] { k::flash_attention_backward_cpu(capped, pf, row.ours[0].requested); }});
+    }
+  }
   vs.push_back({"aten fwd", [&] {
                   std::tie(aout, alse) = at::_scaled_dot_product_flash_attention_for_cpu(pr.q, pr.k, pr.v, 0.0, causal);
                 }});
@@ -242,6 +258,16 @@ Row run_config(const Options& o, const std::string& dtype, int64_t D, int64_t T,
                 static_cast<long long>(o.window), dtype.c_str(), static_cast<long long>(D), static_cast<long long>(T),
                 row.ours[0].isa.c_str(), 1e3 * med("ours window fwd"), 1e3 * full, time_ratio, flop_ratio,
                 time_ratio / flop_ratio);
+  }
+  if (o.softcap > 0) {
+    std::printf("softcap %g, %s D=%lld T=%lld %s, isa %s: forward %.1f ms vs %.1f ms plain (%.2fx)", o.softcap,
+                dtype.c_str(), static_cast<long long>(D), static_cast<long long>(T), causal ? "causal" : "full",
+                row.ours[0].isa.c_str(), 1e3 * med("ours softcap fwd"), 1e3 * row.ours[0].fwd,
+                med("ours softcap fwd") / row.ours[0].fwd);
+    if (o.backward)
+      std::printf("; backward %.1f ms vs %.1f ms plain (%.2fx)", 1e3 * med("ours softcap bwd"), 1e3 * row.ours[0].bwd,
+                  med("ours softcap bwd") / row.ours[0].bwd);
+    std::printf("\n");
   }
   row.aten_fwd = med("aten fwd");
   row.aten_bwd = med("aten bwd");

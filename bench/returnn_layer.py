@@ -20,7 +20,6 @@ machine; on one thread every op runs on the timed thread).
 """
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from returnn.tensor import Dim, Tensor
 
 import dimattn as da
 import dimattn.returnn as dr
+from bench_timing import interleaved
 
 rf.select_backend_torch()
 LAYERS = {"causal": rf.CausalSelfAttention, "self": rf.SelfAttention}
@@ -58,19 +58,6 @@ def layer_step(kind, T, dtype, args):
         torch.autograd.grad(out.raw_tensor.float().sum(), leaves)
 
     return step
-
-
-def interleaved(fns, rounds, clock=time.perf_counter):
-    """Median seconds of each fn, run alternately (order flipped every round) after one warm-up each."""
-    for fn in fns:
-        fn()
-    times = [[] for _ in fns]
-    for r in range(rounds):
-        for i in list(range(len(fns)))[::(-1 if r % 2 else 1)]:
-            t0 = clock()
-            fns[i]()
-            times[i].append(clock() - t0)
-    return [statistics.median(t) for t in times]
 
 
 def routed(step):

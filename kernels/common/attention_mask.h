@@ -259,12 +259,9 @@ struct ScoreMod {
 
   DIMATTN_HD bool on() const { return cap > 0 || slope != 0 || bias != nullptr || mask != nullptr; }
   DIMATTN_HD bool capped() const { return cap > 0; }
-  // Only a bias read along rows with unit stride: a row is one vector add
-  // (the CPU kernel's fast case; apply() gives the same values).
-  DIMATTN_HD bool bias_row_only() const {
-    return cap == 0 && slope == 0 && mask == nullptr && bias != nullptr && bias_col == 1;
-  }
   // The modified score of raw x at (i, j), -inf where the mask forbids it;
+  // the CPU kernel applies the same steps in the same order a vector of
+  // columns at a time (cpu/flash_impl/score_mods.h, with its own vtanh2);
   // t receives tanh(x / cap) (for the backward pass: dcapped(t)), 0 without
   // soft-capping. pre: (i, j) is inside the call (the bias and mask are read
   // there).

@@ -49,6 +49,8 @@
 //   flash_impl/products.h      the products of a pass, per storage type
 //   flash_impl/pairs.h         (avx512_bf16 only) bfloat16 products as pairs
 //   flash_impl/dropout.h       dropout factors of a row tile
+//   flash_impl/score_mods.h    the score variants on a row of a tile, vectorised
+//   flash_impl/mask_tiles.h    the bool mask's blocks classified: empty, full, partial
 //   flash_impl/forward.h       the forward pass
 //   flash_impl/backward.h      the backward pass
 
@@ -65,6 +67,8 @@
 #include "cpu/flash_impl/pairs.h"
 #endif
 #include "cpu/flash_impl/dropout.h"
+#include "cpu/flash_impl/score_mods.h"
+#include "cpu/flash_impl/mask_tiles.h"
 #include "cpu/flash_impl/forward.h"
 #include "cpu/flash_impl/backward.h"
 #undef DIMATTN_CPU_FLASH_PARTS

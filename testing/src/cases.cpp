@@ -114,6 +114,7 @@ std::string CaseVariants::describe() const {
   if (sinks) s += " sinks";
   if (!bias.empty()) s += " bias=" + bias;
   if (!mask.empty()) s += " mask=" + mask;
+  if (mask_docs > 0) s += " mask_docs=" + std::to_string(mask_docs);
   return s;
 }
 
@@ -168,6 +169,9 @@ std::optional<std::string> invalid_reason(const AttentionCase& c) {
         return "a bias or mask over the query's time dim needs a separate kv dim (kind cross)";
       if (x == 'g' && c.groups == 1) return "a bias or mask over the group dim needs groups > 1";
     }
+  if (v.mask_docs < 0 || (v.mask_docs > 0 && (v.mask.find('t') == std::string::npos ||
+                                               v.mask.find('k') == std::string::npos)))
+    return "a documents mask (mask_docs > 0) needs a mask over the t and k dims";
   return std::nullopt;
 }
 
@@ -243,9 +247,28 @@ Operands make_operands(const AttentionCase& c, bool requires_grad) {
     return dims;
   };
   if (!v.bias.empty()) var.bias = operand(score_dims(v.bias), c.seed + 3);
-  if (!v.mask.empty())
+  if (!v.mask.empty() && v.mask_docs > 0) {
+    const Dims dims = score_dims(v.mask);
+    int64_t n = 1;
+    for (const Dim& d : dims) n *= d.extent();
+    std::vector<double> allowed(static_cast<size_t>(n));
+    for (int64_t flat = 0; flat < n; ++flat) {
+      int64_t rest = flat, t = 0, k = 0, shift = 0;
+      for (size_t a = dims.size(); a-- > 0;) {
+        const int64_t idx = rest % dims[a].extent();
+        rest /= dims[a].extent();
+        const char x = v.mask[a];
+        if (x == 't') t = idx;
+        if (x == 'k') k = idx;
+        shift += idx * (x == 'h' ? 13 : x == 'b' ? 29 : x == 'g' ? 7 : 0);
+      }
+      allowed[static_cast<size_t>(flat)] = (t + shift) / v.mask_docs == (k + shift) / v.mask_docs ? 1.0 : 0.0;
+    }
+    var.mask = compare(from_host(dims, allowed, {.device = c.device, .backend = c.backend}), Compare::ge, 0.5);
+  } else if (!v.mask.empty()) {
     var.mask = compare(random_uniform(score_dims(v.mask), c.seed + 4, {.device = c.device, .backend = c.backend}),
-                            Compare::ge, 0.25);
+                       Compare::ge, 0.25);
+  }
   if (c.offsets.size() == 1) ops.opts.causal_offset = scalar(static_cast<double>(c.offsets[0]), ints);
   if (c.offsets.size() > 1) ops.opts.causal_offset = from_host({batch}, as_doubles(c.offsets), ints);
   for (const Dim& d : qd) {

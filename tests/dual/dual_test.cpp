@@ -271,6 +271,23 @@ void add_cpu_cases(std::vector<AttentionCase>& out) {
                    .variants = {.scalars = {.window = AttentionWindow{4, {}}, .softcap = 2.0}, .alibi = true, .sinks = true, .bias = "htk",
                                 .mask = "tk"}});
   }
+  // Documents masks (CaseVariants::mask_docs), whose blocks cpu_flash
+  // classifies: 640 positions in documents of 300 (200) give kv tiles and
+  // query blocks that the mask forbids entirely (skipped), allows entirely
+  // (no per-element mask) and allows in part, in the forward's tiles and the
+  // backward's alike (CpuFlash.MaskTilesOfEveryClass counts them); one plane
+  // for every head, one per head (shifted), one per (batch, head), with
+  // causal, GQA, padding, dropout and soft-capping.
+  for (DType dt : {DType::float32, DType::bfloat16}) {
+    const std::string s = std::string("_") + dtype_name(dt);
+    out.push_back({.name = "mask_docs_causal_shared" + s, .dtype = dt, .seq_q = 640, .seq_k = 640, .causal = true,
+                   .variants = {.mask = "tk", .mask_docs = 300}});
+    out.push_back({.name = "mask_docs_heads_gqa_dropout" + s, .dtype = dt, .groups = 2, .seq_q = 640, .seq_k = 640,
+                   .causal = true, .lengths = {640, 500}, .dropout = 0.1,
+                   .variants = {.mask = "htk", .mask_docs = 300}});
+    out.push_back({.name = "mask_docs_every_dim_softcap" + s, .dtype = dt, .seq_q = 300, .seq_k = 640,
+                   .variants = {.scalars = {.softcap = 5.0}, .mask = "bhtk", .mask_docs = 200}});
+  }
   out.push_back({.name = "t1", .seq_q = 1, .seq_k = 1});
   out.push_back({.name = "odd_head_dims", .head_dim = 5, .head_dim_v = 3});
   out.push_back({.name = "d128", .kind = Kind::self, .batch = 1, .seq_q = 16, .seq_k = 16, .head_dim = 128,

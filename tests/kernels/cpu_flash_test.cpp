@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -21,6 +22,7 @@
 #include "common/attention_params.h"
 #include "common/philox.h"
 #include "cpu/flash_attention.h"
+#include "cpu/flash_attention_heuristics.h"
 #include "cpu/thread_pool.h"
 #include "bf16_bits.h"
 
@@ -143,6 +145,13 @@ struct Case {
   double scale = 0.0;  // 0 = 1 / sqrt(D)
   uint64_t seed = 1234;
   uint32_t rng_offset = 7;
+  // A bool mask (ScoreParams::mask): planes of [Tq][Tk] bytes, (b, h) reading
+  // plane mask_plane[b * H + h]; empty = none.
+  std::vector<uint8_t> mask;
+  std::vector<int64_t> mask_plane;
+  bool mask_allows(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    return mask.empty() || mask[static_cast<size_t>((mask_plane[b * H + h] * Tq + i) * Tk + j)] != 0;
+  }
 };
 
 // docs/numerics.md's table (dimattn/tolerance.h's reference_tolerance).
@@ -221,7 +230,7 @@ Reference reference(const Case& c, const Inputs& in) {
         double m = -kInf;
         for (int64_t j = 0; j < c.Tk; ++j) {
           s[j] = -kInf;
-          if (!attends(c, b, h, i, j)) continue;
+          if (!attends(c, b, h, i, j) || !c.mask_allows(b, h, i, j)) continue;
           double acc = 0;
           for (int64_t d = 0; d < c.D; ++d) acc += in.q(b, h, i, d) * in.k(b, hk, j, d);
           s[j] = scale * acc;
@@ -268,6 +277,7 @@ struct KernelRun {
   std::vector<Buffer> buffers;  // owns every tensor
   View q, k, v, out, dout, dq, dk, dv;
   std::vector<unsigned char> lse;  // [B, H, Tq] in the accumulation type
+  std::vector<int64_t> mask_offsets;
   AttentionKernelParams p;
 };
 
@@ -389,6 +399,10 @@ KernelRun prepare(const Case& c, const Inputs& in) {
   p.dropout_broadcast = c.broadcast;
   p.seed = c.seed;
   p.rng_offset = c.rng_offset;
+  if (!c.mask.empty()) {
+    for (int64_t plane : c.mask_plane) r.mask_offsets.push_back(plane * c.Tq * c.Tk);
+    p.score.mask = {c.mask.data(), r.mask_offsets.data(), c.Tk, 1};
+  }
   return r;
 }
 
@@ -671,6 +685,64 @@ TEST(CpuFlash, Dropout) {
     c.B = 2, c.H = 3, c.Hkv = 1, c.Tq = 37, c.Tk = 150, c.D = c.Dv = 16, c.causal = true, c.offsets = {113, 50};
     c.p = 0.3;
     check_case(c);
+  }
+}
+
+// Documents of `len` positions, shifted by 13 per plane: planes[p] is
+// [Tq][Tk] with (i, j) allowed iff (i + 13 p) / len == (j + 13 p) / len.
+std::vector<uint8_t> documents_mask(int64_t planes, int64_t Tq, int64_t Tk, int64_t len) {
+  std::vector<uint8_t> m;
+  for (int64_t p = 0; p < planes; ++p)
+    for (int64_t i = 0; i < Tq; ++i)
+      for (int64_t j = 0; j < Tk; ++j) m.push_back((i + 13 * p) / len == (j + 13 * p) / len ? 1 : 0);
+  return m;
+}
+
+// How many (rows, kv tile) blocks of a case's mask, at a pass's tile sizes,
+// the mask forbids entirely, allows entirely, or allows in part, over the
+// blocks a causal pass visits (kv tiles starting at or before the block's
+// last row): {empty, full, partial}.
+std::array<int64_t, 3> mask_blocks(const Case& c, int64_t bq, int64_t bk) {
+  std::array<int64_t, 3> n{};
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t h = 0; h < c.H; ++h)
+      for (int64_t i0 = 0; i0 < c.Tq; i0 += bq)
+        for (int64_t j0 = 0; j0 < c.Tk && (!c.causal || j0 <= std::min(i0 + bq, c.Tq) - 1); j0 += bk) {
+          bool allows = false, forbids = false;
+          for (int64_t i = i0; i < std::min(i0 + bq, c.Tq); ++i)
+            for (int64_t j = j0; j < std::min(j0 + bk, c.Tk); ++j)
+              (c.mask_allows(b, h, i, j) ? allows : forbids) = true;
+          ++n[allows && forbids ? 2 : allows ? 1 : 0];
+        }
+  return n;
+}
+
+// The bool mask's block classification (flash_impl/mask_tiles.h): masks
+// whose blocks, at the forward's tile sizes (both vector widths) and the
+// backward's, include some of every class (asserted here, so that the
+// kernel's empty, full and partial branches all run), one plane shared by
+// every head and one per head, with causal, GQA, kv lengths and dropout.
+TEST(CpuFlash, MaskTilesOfEveryClass) {
+  const int64_t D = 64;
+  for (ElementType t : {ElementType::float32, ElementType::bfloat16, ElementType::float64}) {
+    for (bool per_head : {false, true}) {
+      Case c = base(std::string("documents mask ") + (per_head ? "per head" : "shared"), t);
+      c.B = 2, c.H = 4, c.Hkv = per_head ? 2 : 4, c.Tq = c.Tk = 640, c.D = c.Dv = D, c.causal = true;
+      if (per_head) c.kv_lens = {640, 520}, c.p = 0.1;
+      const int64_t planes = per_head ? c.H : 1;
+      c.mask = documents_mask(planes, c.Tq, c.Tk, 300);
+      for (int64_t b = 0; b < c.B; ++b)
+        for (int64_t h = 0; h < c.H; ++h) c.mask_plane.push_back(per_head ? h : 0);
+      for (const auto& [bq, bk] : {std::pair{cpu_flash::fwd_block_q(D), cpu_flash::fwd_block_k(D, 8)},
+                                   std::pair{cpu_flash::fwd_block_q(D), cpu_flash::fwd_block_k(D, 16)},
+                                   std::pair{cpu_flash::bwd_block_q(D), cpu_flash::bwd_block_k(D)}}) {
+        const std::array<int64_t, 3> n = mask_blocks(c, bq, bk);
+        EXPECT_GT(n[0], 0) << c.name << ": no empty block at " << bq << " x " << bk;
+        EXPECT_GT(n[1], 0) << c.name << ": no full block at " << bq << " x " << bk;
+        EXPECT_GT(n[2], 0) << c.name << ": no partial block at " << bq << " x " << bk;
+      }
+      check_case(c);
+    }
   }
 }
 

@@ -69,8 +69,8 @@ struct BackwardScratch {
 // unscaled), or nullptr when the chunk is the whole kv range and dq is
 // written directly.
 template <class S, class A>
-void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, const BackwardPlan& plan, int64_t b,
-                   int64_t hk, int64_t chunk, A* share, BackwardScratch<S, A>& w) {
+void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, const MaskTiles& tiles,
+                   const BackwardPlan& plan, int64_t b, int64_t hk, int64_t chunk, A* share, BackwardScratch<S, A>& w) {
   constexpr int W = Simd<A>::W;
   constexpr A kInf = std::numeric_limits<A>::infinity();
   const int64_t D = p.head_dim, Dv = p.head_dim_v, Tq = p.seqlen_q, G = p.group_size();
@@ -102,7 +102,9 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
     const int64_t h = hk * G + g;
     const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
     const EntryMask mask = entry_mask_of(p, b, h);
-    const ScoreMod<A> mod = score_mod_of<A>(p.score, mask, b, h, p.heads);
+    const ScoreMod<A> masked = score_mod_of<A>(p.score, mask, b, h, p.heads);
+    ScoreMod<A> unmasked = masked;  // for the bool mask's full blocks
+    unmasked.mask = nullptr;
     // d(bias) of this head's plane: dS itself (bias adds to the score).
     A* const dbias = p.score.dbias_plane<A>(b * p.heads + h);
     A* dq = share ? share + g * Tq * dp : w.dq;  // indexed by absolute row
@@ -151,6 +153,11 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
           const int64_t r0 = i0 - i_start;  // the block's first row in the task's copies
           const A* lse2 = w.lse2 + (i0 - i_start);
           const A* di = w.di + (i0 - i_start);
+          // The bool mask's class of the block (forward.h): empty blocks add
+          // nothing to any gradient.
+          const TileClass cls = tiles.on() ? tiles.of(b * p.heads + h, i0, i0 + mm, j0) : TileClass::partial;
+          if (cls == TileClass::empty) continue;
+          const ScoreMod<A>& mod = cls == TileClass::full ? unmasked : masked;
           // Causal diagonal tiles (and rows with their own kv lengths): row r
           // attends the tile's first nv[r] positions, kv position c is
           // attended from local row kbeg[c] on at most.
@@ -183,17 +190,7 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
               continue;
             }
             if (mod.on()) {  // the forward's scores: scaled, capped, bias, ALiBi, mask
-              A* th = mod.capped() ? w.th + r * ldk : nullptr;
-              A t;
-              if (mod.bias_row_only()) {
-                const A* bias = mod.bias + (i0 + r) * mod.bias_row + j0;
-                for (int64_t c = lr; c < nv; ++c) srow[c] = srow[c] * qk_mul + log2e * bias[c];
-              } else {
-                for (int64_t c = lr; c < nv; ++c) {
-                  srow[c] = mod.apply(srow[c] * qk_mul, i0 + r, j0 + c, t);
-                  if (th) th[c] = t;
-                }
-              }
+              apply_score_mods(mod, srow, mod.capped() ? w.th + r * ldk : nullptr, lr, nv, qk_mul, i0 + r, j0);
               exp2_row<Operands::kRoundedWeights>(srow, round_up(nv, W), A(1), lse2[r]);
             } else {
               exp2_row<Operands::kRoundedWeights>(srow, round_up(nv, W), qk_mul, lse2[r]);
@@ -240,10 +237,8 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
                   e += drow[c];
               }
             }
-            if (mod.capped()) {  // through the cap
-              const A* th = w.th + r * ldk;
-              for (int64_t c = lb(r); c < nv; ++c) drow[c] *= mod.dcapped(th[c]);
-            }
+            // Through the cap, on the rows whose th the recomputation above wrote.
+            if (mod.capped() && nv > lb(r) && lse2[r] != -kInf) dcapped_row(drow, w.th + r * ldk, lb(r), nv);
           }
           if (drop.on) x = w.x;
           // dV += X^T dO, dK += dS^T Q and dQ += dS K (dK, dQ scaled at the end).
@@ -330,6 +325,9 @@ void backward(const AttentionKernelParams& p, const ParallelFor& parallel_for) {
   const int64_t share_len = G * Tq * dp;
   if (C > 1) shares.reset(new A[static_cast<size_t>(groups * C * share_len)]);
 
+  // The mask's blocks at the backward pass's kv tile width, classified again
+  // (the forward's tiles are wider; one scan of the mask's distinct planes).
+  const MaskTiles tiles(p, plan.bk, parallel_for);
   parallel_for(0, groups * C, [&](int64_t t0, int64_t t1) {
     BackwardScratch<S, A> w(p, plan);
     for (int64_t t = t0; t < t1; ++t) {
@@ -337,7 +335,7 @@ void backward(const AttentionKernelParams& p, const ParallelFor& parallel_for) {
       // Under causal masking early kv chunks have more query rows: alternate.
       const int64_t chunk = p.causal ? (ci % 2 == 0 ? ci / 2 : C - 1 - ci / 2) : ci;
       A* share = C > 1 ? shares.get() + (grp * C + chunk) * share_len : nullptr;
-      backward_task<S, A>(p, drop, plan, grp / p.kv_heads, grp % p.kv_heads, chunk, share, w);
+      backward_task<S, A>(p, drop, tiles, plan, grp / p.kv_heads, grp % p.kv_heads, chunk, share, w);
     }
   });
   if (C == 1) return;

@@ -78,15 +78,17 @@ struct ForwardScratch {
 
 // Rows [r0, r1) of (b, h).
 template <class S, class A>
-void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, int64_t b, int64_t h, int64_t r0,
-                   int64_t r1, ForwardScratch<S, A>& w) {
+void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, const MaskTiles& tiles, int64_t b,
+                   int64_t h, int64_t r0, int64_t r1, ForwardScratch<S, A>& w) {
   constexpr int W = Simd<A>::W;
   constexpr A kInf = std::numeric_limits<A>::infinity();
   const int64_t D = p.head_dim, Dv = p.head_dim_v, dvp = w.dvp, ldk = w.ldk;
   using Operands = ForwardOperands<S, A>;
   Operands& ops = w.ops;
   const EntryMask mask = entry_mask_of(p, b, h);
-  const ScoreMod<A> mod = score_mod_of<A>(p.score, mask, b, h, p.heads);
+  const ScoreMod<A> masked = score_mod_of<A>(p.score, mask, b, h, p.heads);
+  ScoreMod<A> unmasked = masked;  // for the bool mask's full tiles
+  unmasked.mask = nullptr;
   const int64_t hk = h / p.group_size();
   const S* q = static_cast<const S*>(p.q) + b * p.q_strides.batch + h * p.q_strides.head;
   const S* k = static_cast<const S*>(p.k) + b * p.k_strides.batch + hk * p.k_strides.head;
@@ -125,6 +127,11 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
 
   for (int64_t j0 = mask.lo(r0) / w.bk * w.bk; j0 < kv_end; j0 += w.bk) {
     const int64_t n = std::min(w.bk, kv_end - j0), np = round_up(n, W);
+    // The bool mask's class of the block: nothing allowed (skipped: no
+    // products, no exponentials), everything (no per-element mask), or some.
+    const TileClass cls = tiles.on() ? tiles.of(b * p.heads + h, r0, rv, j0) : TileClass::partial;
+    if (cls == TileClass::empty) continue;
+    const ScoreMod<A>& mod = cls == TileClass::full ? unmasked : masked;
     // Rows attend a prefix of the tile; only tiles crossing a row's limit
     // (causal diagonal, per-row lengths) mask, and there the products skip
     // the blocks past every row's prefix.
@@ -170,13 +177,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, i
       // turn the max into a min, and 0 * -inf is NaN).
       A mul = smul;
       if (mod.on()) {  // cap, bias, ALiBi, mask
-        A t;
-        if (mod.bias_row_only()) {
-          const A* bias = mod.bias + (r0 + r) * mod.bias_row + j0;
-          for (int64_t c = lb; c < nv; ++c) srow[c] = srow[c] * mul + static_cast<A>(kScoreLog2e) * bias[c];
-        } else {
-          for (int64_t c = lb; c < nv; ++c) srow[c] = mod.apply(srow[c] * mul, r0 + r, j0 + c, t);
-        }
+        apply_score_mods(mod, srow, static_cast<A*>(nullptr), lb, nv, mul, r0 + r, j0);
         mul = A(1);
       } else if (!(mul > A(0))) {
         scale_row(srow, npr, mul);
@@ -237,6 +238,7 @@ void forward(const AttentionKernelParams& p, const ParallelFor& parallel_for) {
   const int64_t tasks = p.batch * p.heads * nqb;
   if (tasks == 0) return;
   const DropoutSpec<A> drop(p);
+  const MaskTiles tiles(p, bk, parallel_for);
   parallel_for(0, tasks, [&](int64_t t0, int64_t t1) {
     ForwardScratch<S, A> w(p, bq, bk);
     for (int64_t t = t0; t < t1; ++t) {
@@ -245,7 +247,7 @@ void forward(const AttentionKernelParams& p, const ParallelFor& parallel_for) {
       // expensive ones so that any contiguous split of the tasks is balanced.
       const int64_t blk = p.causal ? (qi % 2 == 0 ? qi / 2 : nqb - 1 - qi / 2) : qi;
       const int64_t r0 = blk * bq;
-      forward_block<S, A>(p, drop, bh / p.heads, bh % p.heads, r0, std::min(r0 + bq, p.seqlen_q), w);
+      forward_block<S, A>(p, drop, tiles, bh / p.heads, bh % p.heads, r0, std::min(r0 + bq, p.seqlen_q), w);
     }
   });
 }

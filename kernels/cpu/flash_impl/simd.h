@@ -85,8 +85,13 @@ DIMATTN_INLINE void vstore(T* p, const V& v) {
 // 2^-8) before they are used (flash_impl/pairs.h; docs/numerics.md).
 // x <= -127 (including -inf, the masked scores) gives exactly 0, so masked
 // positions carry no weight.
-template <bool kCoarse = false>
-DIMATTN_INLINE vf vexp2(vf x) {
+// vexp2's parts: x clamped to [-127, 127] (NaN kept) = n + f with n an
+// integer and |f| <= 1/2, pow2n = 2^n, and q with 2^f ~ 1 + f q(f).
+struct Exp2Parts {
+  vf f, q, pow2n;
+};
+template <bool kCoarse>
+DIMATTN_INLINE Exp2Parts exp2_parts(vf x) {
   using S = Simd<float>;
   // Bound first, x second: max/min return their second operand when either
   // is NaN, so a NaN score stays NaN (and poisons its row) rather than
@@ -97,7 +102,9 @@ DIMATTN_INLINE vf vexp2(vf x) {
   // of 2^n are (bits(t) + 127) << 23 (the constant's own bits shift out).
   const vf magic = S::splat(12582912.0f);
   const vf t = x + magic;
-  const vf f = x - (t - magic);
+  Exp2Parts r;
+  r.f = x - (t - magic);
+  const vf f = r.f;
   vf p;
   if constexpr (kCoarse) {
     p = S::splat(9.66636836528778e-03f);
@@ -112,13 +119,44 @@ DIMATTN_INLINE vf vexp2(vf x) {
     p = vfma(p, f, S::splat(2.4022650922289554e-01f));
     p = vfma(p, f, S::splat(6.931472067028329e-01f));
   }
-  p = vfma(p, f, S::splat(1.0f));
+  r.q = p;
   vi e;
   std::memcpy(&e, &t, sizeof e);
   e = (e + 127) << 23;  // n = -127 gives the bit pattern of +0
-  vf pow2n;
-  std::memcpy(&pow2n, &e, sizeof e);
-  return p * pow2n;
+  std::memcpy(&r.pow2n, &e, sizeof e);
+  return r;
+}
+
+// 2^x for float lanes: 2^round(x) from the exponent bits times a polynomial
+// of 2^f on |f| <= 1/2 (Chebyshev interpolation, float32 coefficients, p(0)
+// = 1 exactly, so 2^0 = 1). kCoarse = false: degree 6, relative error 2e-8
+// (9e-8, under 1 ulp, evaluated in float32 with FMA). kCoarse = true: degree
+// 4, relative error 3.5e-6, for weights that are rounded to bfloat16 (u =
+// 2^-8) before they are used (flash_impl/pairs.h; docs/numerics.md).
+// x <= -127 (including -inf, the masked scores) gives exactly 0, so masked
+// positions carry no weight.
+template <bool kCoarse = false>
+DIMATTN_INLINE vf vexp2(vf x) {
+  const Exp2Parts e = exp2_parts<kCoarse>(x);
+  return vfma(e.q, e.f, Simd<float>::splat(1.0f)) * e.pow2n;
+}
+
+// 2^x - 1 for float lanes, as accurate near x = 0 as elsewhere: vexp2's
+// 2^n (1 + f q) - 1 taken as fma(f q, 2^n, 2^n - 1), so that nothing cancels
+// where n = 0 (2^n - 1 is exact; docs/numerics.md bounds the error).
+DIMATTN_INLINE vf vexp2m1(vf x) {
+  const Exp2Parts e = exp2_parts<false>(x);
+  return vfma(e.q * e.f, e.pow2n, e.pow2n - Simd<float>::splat(1.0f));
+}
+
+// tanh for float lanes, its argument given as z = 2 y log2(e) (callers fold
+// that factor into their own scale): tanh(y) = m / (m + 2) with m = 2^z - 1
+// (vexp2m1). Relative error 2.6e-7 (4.3 units of 2^-24; with the caller's
+// rounding of z under 5e-7; docs/numerics.md);
+// z = +-inf give +-1 (the clamp at 2^+-127), NaN stays NaN.
+DIMATTN_INLINE vf vtanh2(vf z) {
+  const vf m = vexp2m1(z);
+  return m / (m + Simd<float>::splat(2.0f));
 }
 
 // float64 is the test dtype: exact library exp2 per lane.
@@ -126,6 +164,11 @@ template <bool kCoarse = false>
 DIMATTN_INLINE vd vexp2(vd x) {
   vd r;
   for (int l = 0; l < Simd<double>::W; ++l) r[l] = std::exp2(x[l]);
+  return r;
+}
+DIMATTN_INLINE vd vtanh2(vd z) {
+  vd r;
+  for (int l = 0; l < Simd<double>::W; ++l) r[l] = std::tanh(z[l] * 0.34657359027997264);  // ln(2) / 2
   return r;
 }
 

@@ -44,6 +44,11 @@ struct CaseVariants {
   // (in self-attention the shared time dim, as the kv position); "": none.
   // Bias unit-normal (seed + 3), mask true with probability 3/4 (seed + 4).
   std::string bias, mask;
+  // > 0: the mask is documents of this many positions instead, over its t
+  // and k dims (query i may attend kv j iff (i + s) / n == (j + s) / n), with
+  // a shift s = 13 h + 29 b + 7 g from the mask's other dims' indices: whole
+  // blocks of it forbid or allow everything, and a mask over h differs per head.
+  int64_t mask_docs = 0;
 
   bool any() const { return scalars.any() || alibi || sinks || !bias.empty() || !mask.empty(); }
   bool positional() const { return scalars.positional() || alibi; }  // need the query's positional dim
