@@ -370,6 +370,9 @@ void add_cuda_cases(std::vector<AttentionCase>& out) {
       c = base, c.groups = 2, c.causal = true, c.offsets = {30, 5}, c.lengths = {130, 90}, c.lengths_over = "bgt",
       c.dropout = 0.2;
       out.push_back(with(c, "lengths_per_row_gqa_causal_dropout"));
+      c = base, c.kind = Kind::self, c.groups = 2, c.seq_q = 130, c.causal = true, c.lengths = {130, 97},
+      c.dropout = 0.2, c.variants = {.segment_docs = 40, .segments_over = "bh"};
+      out.push_back(with(c, "segments_gqa_causal_dropout"));
     }
 }
 
