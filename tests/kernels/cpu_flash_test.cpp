@@ -729,6 +729,19 @@ std::array<int64_t, 3> mask_blocks(const Case& c, int64_t bq, int64_t bk) {
   return n;
 }
 
+// Some blocks of every class at the forward's tile sizes (both vector widths)
+// and the backward's, so that the kernel's empty, full and partial branches all run.
+void expect_blocks_of_every_class(const Case& c) {
+  for (const auto& [bq, bk] : {std::pair{cpu_flash::fwd_block_q(c.D), cpu_flash::fwd_block_k(c.D, 8)},
+                               std::pair{cpu_flash::fwd_block_q(c.D), cpu_flash::fwd_block_k(c.D, 16)},
+                               std::pair{cpu_flash::bwd_block_q(c.D), cpu_flash::bwd_block_k(c.D)}}) {
+    const std::array<int64_t, 3> n = mask_blocks(c, bq, bk);
+    EXPECT_GT(n[0], 0) << c.name << ": no empty block at " << bq << " x " << bk;
+    EXPECT_GT(n[1], 0) << c.name << ": no full block at " << bq << " x " << bk;
+    EXPECT_GT(n[2], 0) << c.name << ": no partial block at " << bq << " x " << bk;
+  }
+}
+
 // The bool mask's block classification (flash_impl/mask_tiles.h): masks
 // whose blocks, at the forward's tile sizes (both vector widths) and the
 // backward's, include some of every class (asserted here, so that the
@@ -745,14 +758,7 @@ TEST(CpuFlash, MaskTilesOfEveryClass) {
       c.mask = documents_mask(planes, c.Tq, c.Tk, 300);
       for (int64_t b = 0; b < c.B; ++b)
         for (int64_t h = 0; h < c.H; ++h) c.mask_plane.push_back(per_head ? h : 0);
-      for (const auto& [bq, bk] : {std::pair{cpu_flash::fwd_block_q(D), cpu_flash::fwd_block_k(D, 8)},
-                                   std::pair{cpu_flash::fwd_block_q(D), cpu_flash::fwd_block_k(D, 16)},
-                                   std::pair{cpu_flash::bwd_block_q(D), cpu_flash::bwd_block_k(D)}}) {
-        const std::array<int64_t, 3> n = mask_blocks(c, bq, bk);
-        EXPECT_GT(n[0], 0) << c.name << ": no empty block at " << bq << " x " << bk;
-        EXPECT_GT(n[1], 0) << c.name << ": no full block at " << bq << " x " << bk;
-        EXPECT_GT(n[2], 0) << c.name << ": no partial block at " << bq << " x " << bk;
-      }
+      expect_blocks_of_every_class(c);
       check_case(c);
     }
   }
@@ -788,14 +794,7 @@ TEST(CpuFlash, SegmentTilesOfEveryClass) {
         c.qseg.insert(c.qseg.end(), q.begin(), q.end());
         c.kseg.insert(c.kseg.end(), k.begin(), k.end());
       }
-      for (const auto& [bq, bk] : {std::pair{cpu_flash::fwd_block_q(D), cpu_flash::fwd_block_k(D, 8)},
-                                   std::pair{cpu_flash::fwd_block_q(D), cpu_flash::fwd_block_k(D, 16)},
-                                   std::pair{cpu_flash::bwd_block_q(D), cpu_flash::bwd_block_k(D)}}) {
-        const std::array<int64_t, 3> n = mask_blocks(c, bq, bk);
-        EXPECT_GT(n[0], 0) << c.name << ": no empty block at " << bq << " x " << bk;
-        EXPECT_GT(n[1], 0) << c.name << ": no full block at " << bq << " x " << bk;
-        EXPECT_GT(n[2], 0) << c.name << ": no partial block at " << bq << " x " << bk;
-      }
+      expect_blocks_of_every_class(c);
       check_case(c);
       ++ran;
     }
