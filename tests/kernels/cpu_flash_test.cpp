@@ -802,6 +802,28 @@ TEST(CpuFlash, SegmentTilesOfEveryClass) {
   EXPECT_EQ(ran, 6);
 }
 
+// Segment ids need not be sorted or contiguous: scrambled ids (a few
+// values in no order, some runs, a row whose id no kv position has) over
+// many tiles, where a block's id ranges overlap without any equal pair or
+// with one; the classification from ranges must stay exact in the result.
+TEST(CpuFlash, SegmentsScrambled) {
+  int ran = 0;
+  for (ElementType t : {ElementType::float32, ElementType::float64}) {
+    for (bool causal : {true, false}) {
+      Case c = base(std::string("scrambled segments ") + (causal ? "causal" : "cross"), t);
+      c.B = 2, c.H = 4, c.Hkv = 2, c.Tq = 300, c.Tk = causal ? 300 : 533, c.D = c.Dv = 32, c.causal = causal;
+      c.kv_lens = {c.Tk, c.Tk - 61};
+      for (int64_t b = 0; b < c.B; ++b) {
+        for (int64_t i = 0; i < c.Tq; ++i) c.qseg.push_back(i == 17 ? 99 : i < 100 ? (i * 7 + b) % 5 : (i / 40) % 3);
+        for (int64_t j = 0; j < c.Tk; ++j) c.kseg.push_back(j < 100 ? (j * 3 + b) % 5 : (j / 50) % 3);
+      }
+      check_case(c);
+      ++ran;
+    }
+  }
+  EXPECT_EQ(ran, 4);
+}
+
 TEST(CpuFlash, BroadcastDropout) {
   for (ElementType t : {ElementType::float32, ElementType::float64}) {
     Case c = base("broadcast dropout", t);
