@@ -21,7 +21,8 @@ alike. Forward only: FlexAttention has no backward on the CPU. Each row's output
 are compared (max |diff| of dimattn's output against flex's and SDPA's).
 Variants: causal; causal + window 256 (row i attends i - 256 .. i); causal + softcap 30;
 causal + ALiBi (standard slopes 2^(-8 (h + 1) / H)); causal + 4 documents of T / 4
-positions as a bool mask [t, kv]; window + documents.
+positions as a bool mask [t, kv]; the same documents as segment ids over t and kv
+(dimattn's query_segments / kv_segments; the peers as for the mask); window + documents.
 Prints a markdown table with the CPU, its flags, torch's version, the date and the
 load before and after. --quick: T = 256, 3 rounds (a smoke run).
 """
@@ -45,13 +46,14 @@ except ModuleNotFoundError:  # run from a checkout without PYTHONPATH: its pytho
     import dimattn as da
 from bench_timing import interleaved
 
-VARIANTS = ["causal", "window", "softcap", "alibi", "documents", "window_documents"]
+VARIANTS = ["causal", "window", "softcap", "alibi", "documents", "documents_segments", "window_documents"]
 LABELS = {
     "causal": "causal",
     "window": "causal + window 256",
     "softcap": "causal + softcap 30",
     "alibi": "causal + ALiBi",
     "documents": "causal + 4 documents (bool mask [t, kv])",
+    "documents_segments": "causal + 4 documents (segment ids [t], [kv])",
     "window_documents": "causal + window 256 + 4 documents",
 }
 WINDOW, SOFTCAP, DOCUMENTS = 256, 30.0, 4
@@ -101,7 +103,9 @@ class Problem:
             kw["softcap"] = SOFTCAP
         if variant == "alibi":
             kw["alibi_slopes"] = da.Tensor(self.slopes, [h])
-        if "documents" in variant:
+        if variant == "documents_segments":
+            kw["query_segments"], kw["kv_segments"] = da.Tensor(doc, [t]), da.Tensor(doc, [kv])
+        elif "documents" in variant:
             kw["mask"] = da.Tensor(doc[:, None] == doc[None, :], [t, kv])
         self.da_kwargs = kw
 

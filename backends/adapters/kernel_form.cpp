@@ -252,6 +252,14 @@ ScoreOperands score_operands(Backend& be, const AttentionCall& c, FlashParams& p
     s.mask = c.variants.mask->raw();
     p.score.mask = score_planes(c, *c.variants.mask, mem(s.mask), pr.mask_offsets);
   }
+  if (c.variants.query_segments) {
+    auto ids = [&](const Tensor& t, RawPtr& raw, std::vector<int64_t>& offsets) {
+      raw = t.dtype() == DType::int64 ? t.raw() : be.cast(t.raw(), DType::int64);
+      return score_planes(c, t, mem(raw), offsets);
+    };
+    p.score.query_segments = ids(*c.variants.query_segments, s.query_segments, pr.qseg_offsets);
+    p.score.kv_segments = ids(*c.variants.kv_segments, s.kv_segments, pr.kvseg_offsets);
+  }
   return s;
 }
 

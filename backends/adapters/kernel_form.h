@@ -105,8 +105,8 @@ struct FlashParams {
   // Per (b, h) of the kernel (flat index b * H + h): ALiBi slopes, sink
   // logits, and d(sinks) written by the backward pass.
   std::vector<double> slopes, sinks, dsinks;
-  // Per (b, h): where the bias and mask planes start (score_operands).
-  std::vector<int64_t> bias_offsets, mask_offsets;
+  // Per (b, h): where the bias, mask and segment id planes start (score_operands).
+  std::vector<int64_t> bias_offsets, mask_offsets, qseg_offsets, kvseg_offsets;
   FlashParams() = default;
   FlashParams(const FlashParams&) = delete;
   FlashParams& operator=(const FlashParams&) = delete;
@@ -119,16 +119,17 @@ Dims per_head_dims(const AttentionCall& c);
 // d(sinks) per (b, h) summed over the dims the call's sinks lack, as a tensor
 // over the sinks' dims on `be` (dtype and device of the sinks).
 Tensor sinks_gradient(Backend& be, const AttentionCall& c, const std::vector<double>& dsinks);
-// The call's bias and mask as the kernels read them: the bias in the
-// accumulation type, the mask as bytes, each with its own strides (a
+// The call's bias, mask and segment ids as the kernels read them: the bias
+// in the accumulation type, the mask as bytes, the ids as int64, each with
+// its own strides (a
 // broadcast view stays one: never expanded over the dims it lacks), the bias
 // made contiguous when `dense_bias` (d(bias) is laid out as it).
 // Points pr.p at their memory (`mem`: host or device, as the kernel reads
 // it), with per-(b, h) plane offsets in pr and row and column strides, 0
 // where they lack a dim. The result keeps the memory alive; null members
-// when the call has no bias or mask.
+// when the call has no bias, mask or segments.
 struct ScoreOperands {
-  RawPtr bias, mask;
+  RawPtr bias, mask, query_segments, kv_segments;
 };
 ScoreOperands score_operands(Backend& be, const AttentionCall& c, FlashParams& pr, const MemoryView& mem,
                              bool dense_bias = false);

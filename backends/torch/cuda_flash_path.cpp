@@ -80,6 +80,8 @@ std::vector<at::Tensor> to_device_arrays(detail::FlashParams& pr, c10::Device de
   upload(pr.sinks, score.sinks.data, at::kDouble);
   upload(pr.bias_offsets, score.bias.offsets, at::kLong);
   upload(pr.mask_offsets, score.mask.offsets, at::kLong);
+  upload(pr.qseg_offsets, score.query_segments.offsets, at::kLong);
+  upload(pr.kvseg_offsets, score.kv_segments.offsets, at::kLong);
   if (score.dsinks) {
     keep.push_back(empty_on({static_cast<int64_t>(pr.dsinks.size())}, at::kDouble, device));
     score.dsinks = keep.back().mutable_data_ptr<double>();

@@ -36,7 +36,7 @@ VariantSet AttentionVariants::set() const {
   s.set(V::window, window.has_value()).set(V::softcap, softcap.has_value()).set(V::alibi, alibi_slopes.has_value());
   s.set(V::sinks, sinks.has_value() || sink_off_by_one).set(V::sinks_grad, sinks && sinks->requires_grad());
   s.set(V::bias, bias.has_value()).set(V::bias_grad, bias && bias->requires_grad());
-  return s.set(V::mask, mask.has_value());
+  return s.set(V::mask, mask.has_value()).set(V::segments, query_segments.has_value() || kv_segments.has_value());
 }
 
 void AttentionVariants::check_values(const char* op, bool causal) const {
@@ -53,6 +53,10 @@ void AttentionVariants::check_values(const char* op, bool causal) const {
                   "; leave it unset for no soft-capping");
   DIMATTN_CHECK(!(sinks && sink_off_by_one), op, "sinks and sink_off_by_one are both set; the off-by-one ",
                 "sink is the fixed logit 0, learnable sinks are a tensor: choose one");
+  DIMATTN_CHECK(query_segments.has_value() == kv_segments.has_value(), op, query_segments ? "query_segments" : "kv_segments",
+                " is set but ", query_segments ? "kv_segments" : "query_segments", " is not: a query row attends the kv ",
+                "positions whose segment id equals its own, so both sides need ids; in self-attention pass the ",
+                "same [batch, axis] tensor as both, else leave both unset");
 }
 
 namespace {
@@ -112,7 +116,7 @@ AttentionVariants checked_variants(const char* op, const AttentionVariants& v, c
   DIMATTN_CHECK(r.position || !v.positional(), op, v.window ? "a window" : "ALiBi",
                 " measures distance along the query's positional dim: pass query_position_dim (for causal attention, ",
                 "causal_query_spatial_dim); it is never guessed");
-  if (!v.alibi_slopes && !v.sinks && !v.bias && !v.mask) return v;  // a plain call makes no more vectors than it must
+  if (!v.alibi_slopes && !v.sinks && !v.bias && !v.mask && !v.query_segments) return v;  // a plain call makes no more vectors than it must
 
   // Slopes and sinks live on the call's per-(batch, head) dims.
   Dims per_head = *r.batch;
@@ -151,6 +155,28 @@ AttentionVariants checked_variants(const char* op, const AttentionVariants& v, c
     DIMATTN_CHECK(v.mask->dtype() == DType::boolean, op, "mask must be a bool tensor (true = may attend), got ",
                   v.mask->repr(), "; for an additive float mask pass bias");
     check_scores(out.mask, "mask");
+  }
+  if (v.query_segments) {
+    // Each side over its own dims: the query's (batch dims and its own), the
+    // keys' (batch dims, keys-only dims and axis, the kv position).
+    auto check_segments = [&](std::optional<Tensor>& t, const char* what, bool kv_side) {
+      detail::common_backend(op, {&query, &*t});
+      DIMATTN_CHECK(t->dtype() == DType::int32 || t->dtype() == DType::int64, op, what,
+                    " must be an int32 or int64 tensor of segment ids, got ", t->repr(),
+                    "; for a boolean mask over both positions pass mask");
+      for (const Dim& d : t->dims()) {
+        const bool ok = contains(*r.batch, d) ||
+                        (kv_side ? d == r.axis || contains(*r.keys_only, d) : contains(*r.query_only, d));
+        DIMATTN_CHECK(ok, op, what, " ", repr(t->dims()), " has dim ", d.repr(), ", which is not a dim it may vary over: ",
+                      "batch dims ", repr(*r.batch), kv_side ? ", keys-only dims " : ", the query's own dims ",
+                      kv_side ? repr(*r.keys_only) : repr(*r.query_only), kv_side ? " and axis " : "",
+                      kv_side ? r.axis.repr() : "", same_name_hint(query, d, "query's"),
+                      kv_side ? "; the query's ids go in query_segments" : "; the kv positions' ids go in kv_segments");
+      }
+      if (kv_side && r.kv_axis != r.axis && t->has(r.axis)) t = relabelled(*t, r.axis, r.kv_axis);
+    };
+    check_segments(out.query_segments, "query_segments", false);
+    check_segments(out.kv_segments, "kv_segments", true);
   }
   return out;
 }

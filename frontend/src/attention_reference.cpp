@@ -119,6 +119,8 @@ ReferenceAttention reference_attention(const AttentionCall& c) {
   if (var.window && var.window->left) require(compare(*diag, Compare::le, static_cast<double>(*var.window->left)));
   if (var.window && var.window->right) require(compare(*diag, Compare::ge, -static_cast<double>(*var.window->right)));
   if (var.mask) require(*var.mask);
+  if (var.query_segments)  // equal ids may attend: [.., t] == [.., kv], broadcast by name
+    require(compare(cast(*var.query_segments, DType::int64), Compare::eq, cast(*var.kv_segments, DType::int64)));
 
   constexpr double kInf = std::numeric_limits<double>::infinity();
   Tensor weights = energy;

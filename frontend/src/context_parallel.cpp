@@ -278,7 +278,8 @@ void check_local(const Tensor& q, const Tensor& k, const Tensor& v, const Attent
   unsupported(o.positions.has_value(), "positions");
   unsupported(o.variants.bias.has_value(), "bias");
   unsupported(o.variants.mask.has_value(), "mask");
-  DIMATTN_CHECK(bad.empty(), kOp, "does not take ", bad, " yet (a bias, mask or offset over the whole sequence ",
+  unsupported(o.variants.query_segments || o.variants.kv_segments, "segments");
+  DIMATTN_CHECK(bad.empty(), kOp, "does not take ", bad, " yet (a bias, mask, segment ids or offset over the whole sequence ",
                 "would have to be split with it); call without them or on one process");
   DIMATTN_CHECK(!TraceScope::capturing(), kOp, "calls cannot be traced (the energies live on every rank); trace a ",
                 "single-process call");

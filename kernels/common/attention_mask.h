@@ -200,7 +200,7 @@ DIMATTN_HD EntryMask entry_mask(const int64_t* q_lengths, const int64_t* kv_leng
 }
 
 // ---------------------------------------------------------------------------
-// Scores: soft-capping, bias, ALiBi and the boolean mask, and the sink logit.
+// Scores: soft-capping, bias, ALiBi, the boolean mask and segments, and the sink logit.
 // The kernels carry them as one value (ScoreParams: AttentionKernelParams::score,
 // the CUDA kernel's DeviceParams::score) and read it only through score_mod_of
 // and sink_log2_of below, in the log2 units the kernels use (x = s * log2(e)),
@@ -226,6 +226,10 @@ struct ScoreParams {
   HeadValues sinks;    // logits joining each row's softmax denominator
   ScorePlanes bias;    // additive, in the accumulation type
   ScorePlanes mask;    // bytes, nonzero = may attend
+  // Segment ids (int64): row i may attend kv j iff query_segments' (i) ==
+  // kv_segments' (j); the query side has col_stride 0, the kv side
+  // row_stride 0 (both on or both off).
+  ScorePlanes query_segments, kv_segments;
   // Backward outputs: d(sink) per (b, h) ([batch, heads] dense, float64),
   // and d(bias) laid out as `bias` (its offsets and strides, accumulation
   // type), zeroed by the caller; dbias_shared: some of its elements receive
@@ -256,8 +260,22 @@ struct ScoreMod {
   int64_t bias_row = 0, bias_col = 0;
   const uint8_t* mask = nullptr;  // this (b, h)'s plane
   int64_t mask_row = 0, mask_col = 0;
+  const int64_t* qseg = nullptr;   // this (b, h)'s query segment ids (row i at i * qseg_row)
+  const int64_t* kvseg = nullptr;  // and kv segment ids (kv j at j * kvseg_col); both or neither
+  int64_t qseg_row = 0, kvseg_col = 0;
 
-  DIMATTN_HD bool on() const { return cap > 0 || slope != 0 || bias != nullptr || mask != nullptr; }
+  DIMATTN_HD bool on() const {
+    return cap > 0 || slope != 0 || bias != nullptr || mask != nullptr || qseg != nullptr;
+  }
+  // Whether segments allow (i, j). pre: qseg set.
+  DIMATTN_HD bool same_segment(int64_t i, int64_t j) const { return qseg[i * qseg_row] == kvseg[j * kvseg_col]; }
+  // Without the bool mask and segments: the class of a block they allow entirely.
+  DIMATTN_HD ScoreMod unmasked() const {
+    ScoreMod m = *this;
+    m.mask = nullptr;
+    m.qseg = m.kvseg = nullptr;
+    return m;
+  }
   DIMATTN_HD bool capped() const { return cap > 0; }
   // The modified score of raw x at (i, j), -inf where the mask forbids it;
   // the CPU kernel applies the same steps in the same order a vector of
@@ -277,6 +295,7 @@ struct ScoreMod {
       x -= slope * static_cast<F>(d < 0 ? -d : d);
     }
     if (mask != nullptr && mask[i * mask_row + j * mask_col] == 0) x = -static_cast<F>(INFINITY);
+    if (qseg != nullptr && !same_segment(i, j)) x = -static_cast<F>(INFINITY);
     return x;
   }
   // d(capped score) / d(raw score) at an element whose apply() gave t:
@@ -297,6 +316,10 @@ DIMATTN_HD ScoreMod<F> score_mod_of(const ScoreParams& s, const EntryMask& m, in
   if (s.bias.on()) mod.bias = s.bias.plane<F>(bh), mod.bias_row = s.bias.row_stride, mod.bias_col = s.bias.col_stride;
   if (s.mask.on())
     mod.mask = s.mask.plane<uint8_t>(bh), mod.mask_row = s.mask.row_stride, mod.mask_col = s.mask.col_stride;
+  if (s.query_segments.on()) {
+    mod.qseg = s.query_segments.plane<int64_t>(bh), mod.qseg_row = s.query_segments.row_stride;
+    mod.kvseg = s.kv_segments.plane<int64_t>(bh), mod.kvseg_col = s.kv_segments.col_stride;
+  }
   return mod;
 }
 

@@ -271,14 +271,20 @@ inline std::string AttentionKernelParams::validate(bool backward, ElementTypeSet
     return op + "sinks need dsinks ([batch, heads] float64) in the backward pass";
   for (const HeadValues* x : {&score.alibi, &score.sinks})
     if (x->batch_stride < 0 || x->head_stride < 0) return op + "alibi slopes and sinks need strides >= 0";
-  for (const ScorePlanes* x : {&score.bias, &score.mask})
-    if (x->row_stride < 0 || x->col_stride < 0) return op + "bias and mask need strides >= 0";
+  for (const ScorePlanes* x : {&score.bias, &score.mask, &score.query_segments, &score.kv_segments})
+    if (x->row_stride < 0 || x->col_stride < 0) return op + "bias, mask and segment ids need strides >= 0";
+  if (score.query_segments.on() != score.kv_segments.on())
+    return op + "query_segments and kv_segments are both set or both unset";
+  if (score.query_segments.col_stride != 0 || score.kv_segments.row_stride != 0)
+    return op + "query_segments vary over no kv position and kv_segments over no query row (strides 0 there)";
   if (kv_row_lengths.row_stride < 0) return op + "kv_row_lengths needs a row stride >= 0";
   if (kv_row_lengths.on() && batch * heads > 0 && kv_row_lengths.offsets == nullptr)
     return op + "kv_row_lengths needs offsets ([batch * heads])";
   if (batch * heads * seqlen_q * seqlen_k > 0) {
     if (score.bias.on() && score.bias.offsets == nullptr) return op + "bias needs offsets ([batch * heads])";
     if (score.mask.on() && score.mask.offsets == nullptr) return op + "mask needs offsets ([batch * heads])";
+    if (score.query_segments.on() && (score.query_segments.offsets == nullptr || score.kv_segments.offsets == nullptr))
+      return op + "segment ids need offsets ([batch * heads])";
     if (score.dbias != nullptr && !score.bias.on()) return op + "dbias is set but bias is not";
   }
 

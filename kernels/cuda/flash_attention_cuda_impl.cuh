@@ -258,6 +258,18 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
   const float sink_weight = p.score.sinks.on() && tig == 0 ? 1.f : 0.f;
   float row_sum[2] = {sink_weight, sink_weight};
 
+  // Segments: the [min, max] of the block's query ids. A kv block whose ids'
+  // range is disjoint from it is skipped (no products, no exponentials; its
+  // copies still run, so that the pipeline's order stays as it is); the
+  // others check each element (ScoreMod::apply).
+  int64_t q_id_lo = 0, q_id_hi = -1;
+  if (mod.qseg != nullptr)
+    for (int64_t i = m0; i < rows_end; ++i) {
+      const int64_t id = mod.qseg[i * mod.qseg_row];
+      q_id_lo = i == m0 || id < q_id_lo ? id : q_id_lo;
+      q_id_hi = i == m0 || id > q_id_hi ? id : q_id_hi;
+    }
+
   if (n_blocks > nb_begin) {
     const int64_t nb0 = int64_t{nb_begin} * BN;
     load_tile<T, D>(sQ, qg, p.qs.row, BM, rows_end - m0);
@@ -276,6 +288,24 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
       if (nb == nb_begin) {
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) load_a(qf[kk], sQ, LD, warp * 16, kk * 16, lane);
+      }
+      if (mod.qseg != nullptr) {  // every thread reads the same ids: the branch is uniform
+        int64_t lo = q_id_hi + 1, hi = q_id_lo - 1;  // the kv ids' range, empty so far
+        for (int64_t j = n0; j < min64(n0 + BN, n_end); ++j) {
+          const int64_t id = mod.kvseg[j * mod.kvseg_col];
+          lo = j == n0 || id < lo ? id : lo;
+          hi = j == n0 || id > hi ? id : hi;
+        }
+        if (hi < q_id_lo || q_id_hi < lo) {
+          cp_async_wait<0>();  // this block's V, unread
+          block_sync();
+          if (nb + 1 < n_blocks) {
+            const int64_t n1 = n0 + BN;
+            load_tile<T, D>(sK, kg + n1 * p.ks.row, p.ks.row, BN, min64(int64_t{BN}, n_end - n1));
+            cp_async_commit();
+          }
+          continue;
+        }
       }
 
       // S = Q K^T for the warp's 16 rows x BN positions.

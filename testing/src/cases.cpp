@@ -115,6 +115,7 @@ std::string CaseVariants::describe() const {
   if (!bias.empty()) s += " bias=" + bias;
   if (!mask.empty()) s += " mask=" + mask;
   if (mask_docs > 0) s += " mask_docs=" + std::to_string(mask_docs);
+  if (segment_docs > 0) s += " segments=" + std::to_string(segment_docs) + " over " + segments_over;
   return s;
 }
 
@@ -172,6 +173,9 @@ std::optional<std::string> invalid_reason(const AttentionCase& c) {
   if (v.mask_docs < 0 || (v.mask_docs > 0 && (v.mask.find('t') == std::string::npos ||
                                                v.mask.find('k') == std::string::npos)))
     return "a documents mask (mask_docs > 0) needs a mask over the t and k dims";
+  if (v.segment_docs < 0) return "segment_docs must be >= 0";
+  if (v.segment_docs > 0 && (c.kind == Kind::step || v.segments_over.find_first_not_of("bh") != std::string::npos))
+    return "segments need a query time dim (kind self or cross) and vary over letters of bh";
   return std::nullopt;
 }
 
@@ -268,6 +272,31 @@ Operands make_operands(const AttentionCase& c, bool requires_grad) {
   } else if (!v.mask.empty()) {
     var.mask = compare(random_uniform(score_dims(v.mask), c.seed + 4, {.device = c.device, .backend = c.backend}),
                        Compare::ge, 0.25);
+  }
+  if (v.segment_docs > 0) {
+    // Over (segments_over's dims, then one position dim): document ids.
+    auto ids = [&](const Dim& position) {
+      Dims dims;
+      for (char x : v.segments_over) dims.push_back(x == 'b' ? batch : heads);
+      dims.push_back(position);
+      std::vector<double> out;
+      int64_t planes = 1;
+      for (size_t a = 0; a + 1 < dims.size(); ++a) planes *= dims[a].extent();
+      for (int64_t plane = 0; plane < planes; ++plane) {
+        int64_t shift = 0, rest = plane;
+        for (size_t a = dims.size() - 1; a-- > 0;) {
+          shift += rest % dims[a].extent() * (v.segments_over[a] == 'b' ? 29 : 13);
+          rest /= dims[a].extent();
+        }
+        const int64_t n = v.segment_docs;
+        for (int64_t d = 0, x = 0; x < position.extent(); ++d)
+          for (int64_t y = 0; y < std::max<int64_t>(1, n / 2 + (37 * d + shift) % n) && x < position.extent(); ++y, ++x)
+            out.push_back(static_cast<double>(d));
+      }
+      return from_host(dims, out, ints);
+    };
+    var.query_segments = ids(*time);
+    var.kv_segments = c.kind == Kind::self ? *var.query_segments : ids(kv);
   }
   if (c.offsets.size() == 1) ops.opts.causal_offset = scalar(static_cast<double>(c.offsets[0]), ints);
   if (c.offsets.size() > 1) ops.opts.causal_offset = from_host({batch}, as_doubles(c.offsets), ints);

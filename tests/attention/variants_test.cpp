@@ -1,5 +1,5 @@
-// Attention variants (sliding windows, soft-capping, ALiBi, sinks, bias and
-// mask over named dims): the reference path against float64 loops, cpu_flash
+// Attention variants (sliding windows, soft-capping, ALiBi, sinks, bias,
+// mask and segment ids over named dims): the reference path against float64 loops, cpu_flash
 // against the reference path (outputs, and gradients of q, k, v, the sinks
 // and the bias), the selection's reasons.
 // Bad options are rows of docs/errors.md (tests/reliability/bad_input_test.cpp).
@@ -28,10 +28,13 @@ struct Variant {
   double dropout = 0;
   bool bias = false;  // over {heads, tq, tk}: bias_value
   bool mask = false;  // over {batch, tq, tk}: mask_value (row 1 of entry 0 attends nothing)
+  bool segments = false;  // ids over {batch, tq} and {batch, tk}: segment_q, segment_k (row 2 of entry 0 attends nothing)
 };
 
 double bias_value(int h, int i, int j) { return 0.3 * (h + 1) * std::sin(7.0 * i + 3.0 * j); }
 bool mask_value(int b, int i, int j) { return !(b == 0 && i == 1) && (3 * i + 5 * j + b) % 4 != 0; }
+int64_t segment_q(int b, int i) { return b == 0 && i == 2 ? 9 : (i + b) / 2; }
+int64_t segment_k(int b, int j) { return (j + 2 * b) / 3; }
 
 std::vector<Variant> variants() {
   return {
@@ -44,8 +47,9 @@ std::vector<Variant> variants() {
       {.name = "off_by_one_causal", .causal = true, .off_by_one = true, .offsets = {1, 2}},
       {.name = "bias", .bias = true},
       {.name = "mask_empty_row_lengths", .lengths = {7, 4}, .mask = true},
+      {.name = "segments_causal_lengths", .causal = true, .offsets = {2, 2}, .lengths = {7, 6}, .segments = true},
       {.name = "all_with_dropout", .causal = true, .left = 4, .softcap = 1.5, .alibi = true, .sinks = true,
-       .offsets = {2, 1}, .lengths = {7, 5}, .dropout = 0.3, .bias = true, .mask = true},
+       .offsets = {2, 1}, .lengths = {7, 5}, .dropout = 0.3, .bias = true, .mask = true, .segments = true},
   };
 }
 
@@ -66,7 +70,8 @@ std::vector<double> loop_attention(const Variant& v, const std::vector<double>& 
         for (int j = 0; j < Tk; ++j) {
           const double d = i + off - j;  // distance to the diagonal
           const bool ok = j < len && (!v.causal || d >= 0) && (!v.left || d <= static_cast<double>(*v.left)) &&
-                          (!v.right || d >= -static_cast<double>(*v.right)) && (!v.mask || mask_value(b, i, j));
+                          (!v.right || d >= -static_cast<double>(*v.right)) && (!v.mask || mask_value(b, i, j)) &&
+                          (!v.segments || segment_q(b, i) == segment_k(b, j));
           if (!ok) continue;
           double s = 0;
           for (int c = 0; c < D; ++c) s += q[((b * H + h) * Tq + i) * D + c] * k[((b * H + h) * Tk + j) * D + c];
@@ -125,6 +130,15 @@ struct Call {
         for (int j = 0; j < Tk; ++j) bv.push_back(bias_value(h, i, j));
     if (var.bias) opts.variants.bias = bias = from_host({heads, tq, tk}, bv, o);
     if (var.mask) opts.variants.mask = from_host({batch, tq, tk}, mv, {.dtype = DType::boolean, .backend = backend});
+    if (var.segments) {  // int32 on the query side, int64 on the kv side: either dtype is taken
+      std::vector<double> sq, sk;
+      for (int b = 0; b < B; ++b) {
+        for (int i = 0; i < Tq; ++i) sq.push_back(static_cast<double>(segment_q(b, i)));
+        for (int j = 0; j < Tk; ++j) sk.push_back(static_cast<double>(segment_k(b, j)));
+      }
+      opts.variants.query_segments = from_host({batch, tq}, sq, {.dtype = DType::int32, .backend = backend});
+      opts.variants.kv_segments = from_host({batch, tk}, sk, {.dtype = DType::int64, .backend = backend});
+    }
   }
 };
 
@@ -149,7 +163,7 @@ TEST_P(AttentionVariants, ReferenceMatchesFloat64Loops) {
     EXPECT_LT(worst, 1e-12);
     ++ran;
   }
-  EXPECT_EQ(ran, 9);
+  EXPECT_EQ(ran, 10);
 }
 
 // cpu_flash computes every variant; with dropout too (the shared Philox mask).
@@ -170,7 +184,7 @@ TEST_P(AttentionVariants, CpuFlashMatchesTheReferencePath) {
       EXPECT_LT(max_abs_diff(fused, ref, ref.dims()), reference_tolerance(dtype));
       ++ran;
     }
-  EXPECT_EQ(ran, 20);
+  EXPECT_EQ(ran, 22);
 }
 
 // Gradients of q, k, v, the sinks and the bias: cpu_flash's backward (torch: its
@@ -188,11 +202,16 @@ TEST_P(AttentionVariants, CpuFlashGradientsMatchTheReferencePath) {
     TrainFlagScope train(true);
     // The reference path's autograd on torch, the same operands.
     Call r = c;
-    auto leaf = [](const Tensor& x) { return to_backend(x, "torch").requires_grad(true); };
+    // A fresh leaf each time: on the torch backend to_backend returns x
+    // itself, and the reference's and cpu_flash's gradients would otherwise
+    // accumulate into the same .grad (and compare equal whatever they are).
+    auto leaf = [](const Tensor& x) { return mul(to_backend(x, "torch"), 1.0).requires_grad(true); };
     r.q = leaf(c.q), r.k = leaf(c.k), r.v = leaf(c.v);
     if (c.sinks) r.opts.variants.sinks = leaf(*c.sinks);
     if (c.bias) r.opts.variants.bias = leaf(*c.bias);
     if (c.opts.variants.mask) r.opts.variants.mask = to_backend(*c.opts.variants.mask, "torch");
+    for (std::optional<Tensor>* ids : {&r.opts.variants.query_segments, &r.opts.variants.kv_segments})
+      if (*ids) *ids = to_backend(**ids, "torch");
     if (c.slopes) r.opts.variants.alibi_slopes = to_backend(*c.slopes, "torch");
     if (c.opts.causal_offset) r.opts.causal_offset = to_backend(*c.opts.causal_offset, "torch");
     set_random_seed(5);
@@ -227,7 +246,7 @@ TEST_P(AttentionVariants, CpuFlashGradientsMatchTheReferencePath) {
     }
     ++ran;
   }
-  EXPECT_EQ(ran, 10);
+  EXPECT_EQ(ran, 11);
 }
 
 TEST_P(AttentionVariants, FusedKernelsOfAtenNameTheVariantTheyLack) {
@@ -280,6 +299,33 @@ TEST_P(AttentionVariants, BroadcastAndPermutedBiasGiveTheSameResult) {
     const Tensor want = dot_attention(c.q, c.k, c.v, plain);
     EXPECT_LT(max_abs_diff(dot_attention(c.q, c.k, c.v, broadcast), want, want.dims()), 1e-6) << kernel;
     EXPECT_LT(max_abs_diff(dot_attention(c.q, c.k, c.v, permuted), want, want.dims()), 1e-6) << kernel;
+    ++ran;
+  }
+  EXPECT_EQ(ran, 2);
+}
+
+// Causal self-attention with one [batch, t] tensor of segment ids as both
+// sides (the query side reads t as the query position, the kv side as the
+// kv position) equals the same call with keys and values over their own kv
+// dim and a bool mask [batch, t, kv] of equal ids; on every CPU path.
+TEST_P(AttentionVariants, SelfAttentionSegmentsFromOneTensorEqualABoolMask) {
+  const Dim batch("batch", 2), t("t", 37), kv("kv", 37), feat("feat", 8);
+  const TensorOptions o{.backend = GetParam()};
+  const Tensor x = random_normal({batch, t, feat}, 31, o);
+  std::vector<double> ids;
+  for (int b = 0; b < 2; ++b)
+    for (int i = 0; i < 37; ++i) ids.push_back(b == 0 ? i / 10 : (i < 5 ? 0 : i < 6 ? 1 : 2));
+  const Tensor seg = from_host({batch, t}, ids, {.dtype = DType::int64, .backend = GetParam()});
+  AttentionOptions segmented{.key_dim = feat, .axis = t, .causal_query_spatial_dim = t,
+                             .variants = {.query_segments = seg, .kv_segments = seg}};
+  AttentionOptions masked{.key_dim = feat, .axis = kv, .causal_query_spatial_dim = t};
+  masked.variants.mask = compare(seg, Compare::eq, replace_dim(seg, t, kv));
+  const Tensor xk = replace_dim(x, t, kv);
+  int ran = 0;
+  for (const char* kernel : {"reference", "cpu_flash"}) {
+    ForceKernels force(kernel);
+    const Tensor want = dot_attention(x, xk, xk, masked);
+    EXPECT_LT(max_abs_diff(dot_attention(x, x, x, segmented), want, want.dims()), 1e-6) << kernel;
     ++ran;
   }
   EXPECT_EQ(ran, 2);

@@ -1,7 +1,7 @@
 // dot_attention_block and dot_attention_block_backward: a call cut into
 // blocks (query chunks x kv chunks, placed by AttentionOptions::positions)
 // and merged through the lse equals the whole call — output and gradients,
-// dropout, windows and ALiBi included — on every backend with a CPU kernel.
+// dropout, windows, ALiBi and segments included — on every backend with a CPU kernel.
 // The building blocks of context parallelism (docs/distributed.md).
 #include <functional>
 #include <optional>
@@ -22,6 +22,7 @@ struct Variant {
   bool causal;
   double dropout;
   bool window_alibi;
+  bool segments = false;  // ids over [batch, time]; each block gets the slices of its rows and kv positions
 };
 
 // Where blocks run: each backend's CPU kernel in float64, and cuda_flash on
@@ -38,7 +39,9 @@ struct Place {
 TEST(Blocks, MergedBlocksEqualTheWholeCall) {
   const std::vector<Variant> variants = {{"plain", false, 0.0, false},       {"causal", true, 0.0, false},
                                          {"dropout", false, 0.3, false},     {"causal dropout", true, 0.3, false},
-                                         {"window + ALiBi", true, 0.0, true}, {"window + ALiBi, no causal", false, 0, true}};
+                                         {"window + ALiBi", true, 0.0, true}, {"window + ALiBi, no causal", false, 0, true},
+                                         {"segments, causal dropout", true, 0.3, false, true},
+                                         {"segments + window + ALiBi", false, 0.0, true, true}};
   const std::vector<std::pair<int64_t, int64_t>> q_chunks = {{0, 4}, {4, 10}}, kv_chunks = {{0, 3}, {3, 7}, {7, 10}};
   // bfloat16 (docs/numerics.md): each block's output is rounded before the merge.
   const std::vector<Place> places = {{"eigen", kCPU, DType::float64, 8, 1e-10},
@@ -62,8 +65,17 @@ TEST(Blocks, MergedBlocksEqualTheWholeCall) {
       const Tensor vx = there(random_normal({batch, heads, time, vfeat}, 3, o64));
       const Tensor doutx = there(random_normal({batch, heads, time, vfeat}, 4, o64));
       const Tensor q = back(qx), k = back(kx), v = back(vx), dout = back(doutx);
-      // placed: for the blocks (ALiBi's slopes on the place's device).
-      auto options = [&](const Dim& qd, const Dim& kd, bool placed = false) {
+      // Documents of 3 and of 4 positions (entry 1 shifted by one).
+      const Tensor ids = from_host({batch, time}, {0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2},
+                                   {.dtype = DType::int64, .backend = backend});
+      // The ids of positions [start, start + extent(d)) over d (time itself: all of them).
+      auto ids_over = [&](const Dim& d, int64_t start, bool placed) {
+        const Tensor x = d == time ? ids : slice(ids, time, start, start + d.extent(), d).first;
+        return placed ? to_device(x, place.device) : x;
+      };
+      // placed: for the blocks (ALiBi's slopes on the place's device); qs, ks:
+      // where the block's rows and kv positions start.
+      auto options = [&](const Dim& qd, const Dim& kd, bool placed = false, int64_t qs = 0, int64_t ks = 0) {
         AttentionOptions o{.key_dim = feat, .axis = kd, .att_dropout = var.dropout};
         if (var.causal) o.causal_query_spatial_dim = qd;
         else o.query_position_dim = qd;
@@ -71,6 +83,10 @@ TEST(Blocks, MergedBlocksEqualTheWholeCall) {
           o.variants.window = AttentionWindow{.left = 3};
           const Tensor slopes = from_host({heads}, {0.5, 0.25}, o64);
           o.variants.alibi_slopes = placed ? to_device(slopes, place.device) : slopes;
+        }
+        if (var.segments) {
+          o.variants.query_segments = ids_over(qd, qs, placed);
+          o.variants.kv_segments = ids_over(kd, ks, placed);
         }
         return o;
       };
@@ -101,7 +117,7 @@ TEST(Blocks, MergedBlocksEqualTheWholeCall) {
         for (const auto& [ks, ke] : kv_chunks) {
           const auto [kc, kd] = slice(kx, time, ks, ke);
           const Tensor vc = slice(vx, time, ks, ke, kd).first;
-          AttentionOptions o = options(qd, kd, true);
+          AttentionOptions o = options(qd, kd, true, qs, ks);
           o.positions = AttentionPositions{qs, ks};
           set_random_seed(5);
           const AttentionBlock b = dot_attention_block(qc, kc, vc, o);

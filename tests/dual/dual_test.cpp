@@ -270,6 +270,11 @@ void add_cpu_cases(std::vector<AttentionCase>& out) {
                    .lengths = {9, 6}, .offsets = {5, 2}, .dropout = 0.25,
                    .variants = {.scalars = {.window = AttentionWindow{4, {}}, .softcap = 2.0}, .alibi = true, .sinks = true, .bias = "htk",
                                 .mask = "tk"}});
+    // Segment ids with every variant (and a bool mask), per (batch, head).
+    out.push_back({.name = "segments_all_variants" + s, .dtype = dt, .groups = 2, .seq_q = 4, .seq_k = 9,
+                   .causal = true, .lengths = {9, 6}, .offsets = {5, 2}, .dropout = 0.25,
+                   .variants = {.scalars = {.window = AttentionWindow{6, {}}, .softcap = 2.0}, .alibi = true,
+                                .sinks = true, .bias = "htk", .mask = "tk", .segment_docs = 3, .segments_over = "bh"}});
   }
   // Documents masks (CaseVariants::mask_docs), whose blocks cpu_flash
   // classifies: 640 positions in documents of 300 (200) give kv tiles and
@@ -287,6 +292,24 @@ void add_cpu_cases(std::vector<AttentionCase>& out) {
                    .variants = {.mask = "htk", .mask_docs = 300}});
     out.push_back({.name = "mask_docs_every_dim_softcap" + s, .dtype = dt, .seq_q = 300, .seq_k = 640,
                    .variants = {.scalars = {.softcap = 5.0}, .mask = "bhtk", .mask_docs = 200}});
+  }
+  // Segments (CaseVariants::segment_docs): documents of irregular lengths
+  // as integer ids, never a [t, kv] mask, whose blocks cpu_flash classifies
+  // from the ids' ranges (empty, full and partial ones at these sizes:
+  // CpuFlash.SegmentTilesOfEveryClass); causal self-attention with one
+  // tensor as both sides, with a window, with GQA, kv lengths and dropout
+  // and ids per (batch, head), and cross-attention with soft-capping.
+  for (DType dt : {DType::float32, DType::bfloat16}) {
+    const std::string s = std::string("_") + dtype_name(dt);
+    out.push_back({.name = "segments_causal_self" + s, .dtype = dt, .kind = Kind::self, .seq_q = 640, .seq_k = 640,
+                   .causal = true, .variants = {.segment_docs = 300}});
+    out.push_back({.name = "segments_window_self" + s, .dtype = dt, .kind = Kind::self, .seq_q = 640, .seq_k = 640,
+                   .causal = true, .variants = {.scalars = {.window = AttentionWindow{200, {}}}, .segment_docs = 300}});
+    out.push_back({.name = "segments_heads_gqa_dropout" + s, .dtype = dt, .kind = Kind::self, .groups = 2,
+                   .seq_q = 640, .seq_k = 640, .causal = true, .lengths = {640, 500}, .dropout = 0.1,
+                   .variants = {.segment_docs = 300, .segments_over = "bh"}});
+    out.push_back({.name = "segments_cross_softcap" + s, .dtype = dt, .seq_q = 300, .seq_k = 640,
+                   .variants = {.scalars = {.softcap = 5.0}, .segment_docs = 200}});
   }
   out.push_back({.name = "t1", .seq_q = 1, .seq_k = 1});
   out.push_back({.name = "odd_head_dims", .head_dim = 5, .head_dim_v = 3});
@@ -347,6 +370,9 @@ void add_cuda_cases(std::vector<AttentionCase>& out) {
       c = base, c.groups = 2, c.causal = true, c.offsets = {30, 5}, c.lengths = {130, 90}, c.lengths_over = "bgt",
       c.dropout = 0.2;
       out.push_back(with(c, "lengths_per_row_gqa_causal_dropout"));
+      c = base, c.kind = Kind::self, c.groups = 2, c.seq_q = 130, c.causal = true, c.lengths = {130, 97},
+      c.dropout = 0.2, c.variants = {.segment_docs = 40, .segments_over = "bh"};
+      out.push_back(with(c, "segments_gqa_causal_dropout"));
     }
 }
 
@@ -394,7 +420,8 @@ Operands on_backend(Operands ops, const std::string& backend) {
     for (Tensor* t : {&ops.q, &ops.k, &ops.v}) *t = to_backend(*t, backend);
   }
   for (std::optional<Tensor>* t :
-       {&ops.opts.causal_offset, &ops.opts.variants.alibi_slopes, &ops.opts.variants.sinks, &ops.opts.variants.bias, &ops.opts.variants.mask})
+       {&ops.opts.causal_offset, &ops.opts.variants.alibi_slopes, &ops.opts.variants.sinks, &ops.opts.variants.bias, &ops.opts.variants.mask,
+        &ops.opts.variants.query_segments, &ops.opts.variants.kv_segments})
     if (*t) **t = to_backend(**t, backend);
   return ops;
 }

@@ -149,8 +149,12 @@ struct Case {
   // plane mask_plane[b * H + h]; empty = none.
   std::vector<uint8_t> mask;
   std::vector<int64_t> mask_plane;
+  // Segment ids (ScoreParams::query_segments, kv_segments) per batch entry,
+  // shared by its heads: [B][Tq] and [B][Tk]; empty = none.
+  std::vector<int64_t> qseg, kseg;
   bool mask_allows(int64_t b, int64_t h, int64_t i, int64_t j) const {
-    return mask.empty() || mask[static_cast<size_t>((mask_plane[b * H + h] * Tq + i) * Tk + j)] != 0;
+    return (mask.empty() || mask[static_cast<size_t>((mask_plane[b * H + h] * Tq + i) * Tk + j)] != 0) &&
+           (qseg.empty() || qseg[static_cast<size_t>(b * Tq + i)] == kseg[static_cast<size_t>(b * Tk + j)]);
   }
 };
 
@@ -277,7 +281,7 @@ struct KernelRun {
   std::vector<Buffer> buffers;  // owns every tensor
   View q, k, v, out, dout, dq, dk, dv;
   std::vector<unsigned char> lse;  // [B, H, Tq] in the accumulation type
-  std::vector<int64_t> mask_offsets;
+  std::vector<int64_t> mask_offsets, qseg_offsets, kseg_offsets;
   AttentionKernelParams p;
 };
 
@@ -402,6 +406,14 @@ KernelRun prepare(const Case& c, const Inputs& in) {
   if (!c.mask.empty()) {
     for (int64_t plane : c.mask_plane) r.mask_offsets.push_back(plane * c.Tq * c.Tk);
     p.score.mask = {c.mask.data(), r.mask_offsets.data(), c.Tk, 1};
+  }
+  if (!c.qseg.empty()) {
+    for (int64_t bh = 0; bh < c.B * c.H; ++bh) {
+      r.qseg_offsets.push_back(bh / c.H * c.Tq);
+      r.kseg_offsets.push_back(bh / c.H * c.Tk);
+    }
+    p.score.query_segments = {c.qseg.data(), r.qseg_offsets.data(), 1, 0};
+    p.score.kv_segments = {c.kseg.data(), r.kseg_offsets.data(), 0, 1};
   }
   return r;
 }
@@ -717,6 +729,19 @@ std::array<int64_t, 3> mask_blocks(const Case& c, int64_t bq, int64_t bk) {
   return n;
 }
 
+// Some blocks of every class at the forward's tile sizes (both vector widths)
+// and the backward's, so that the kernel's empty, full and partial branches all run.
+void expect_blocks_of_every_class(const Case& c) {
+  for (const auto& [bq, bk] : {std::pair{cpu_flash::fwd_block_q(c.D), cpu_flash::fwd_block_k(c.D, 8)},
+                               std::pair{cpu_flash::fwd_block_q(c.D), cpu_flash::fwd_block_k(c.D, 16)},
+                               std::pair{cpu_flash::bwd_block_q(c.D), cpu_flash::bwd_block_k(c.D)}}) {
+    const std::array<int64_t, 3> n = mask_blocks(c, bq, bk);
+    EXPECT_GT(n[0], 0) << c.name << ": no empty block at " << bq << " x " << bk;
+    EXPECT_GT(n[1], 0) << c.name << ": no full block at " << bq << " x " << bk;
+    EXPECT_GT(n[2], 0) << c.name << ": no partial block at " << bq << " x " << bk;
+  }
+}
+
 // The bool mask's block classification (flash_impl/mask_tiles.h): masks
 // whose blocks, at the forward's tile sizes (both vector widths) and the
 // backward's, include some of every class (asserted here, so that the
@@ -733,17 +758,70 @@ TEST(CpuFlash, MaskTilesOfEveryClass) {
       c.mask = documents_mask(planes, c.Tq, c.Tk, 300);
       for (int64_t b = 0; b < c.B; ++b)
         for (int64_t h = 0; h < c.H; ++h) c.mask_plane.push_back(per_head ? h : 0);
-      for (const auto& [bq, bk] : {std::pair{cpu_flash::fwd_block_q(D), cpu_flash::fwd_block_k(D, 8)},
-                                   std::pair{cpu_flash::fwd_block_q(D), cpu_flash::fwd_block_k(D, 16)},
-                                   std::pair{cpu_flash::bwd_block_q(D), cpu_flash::bwd_block_k(D)}}) {
-        const std::array<int64_t, 3> n = mask_blocks(c, bq, bk);
-        EXPECT_GT(n[0], 0) << c.name << ": no empty block at " << bq << " x " << bk;
-        EXPECT_GT(n[1], 0) << c.name << ": no full block at " << bq << " x " << bk;
-        EXPECT_GT(n[2], 0) << c.name << ": no partial block at " << bq << " x " << bk;
-      }
+      expect_blocks_of_every_class(c);
       check_case(c);
     }
   }
+}
+
+// Ids of documents of irregular lengths around `len` (document d has
+// len / 2 + (37 d + shift) % len positions), over n positions.
+std::vector<int64_t> document_ids(int64_t n, int64_t len, int64_t shift) {
+  std::vector<int64_t> ids;
+  for (int64_t d = 0; static_cast<int64_t>(ids.size()) < n; ++d)
+    for (int64_t x = 0; x < len / 2 + (37 * d + shift) % len && static_cast<int64_t>(ids.size()) < n; ++x)
+      ids.push_back(d);
+  return ids;
+}
+
+// Segment ids' block classification (flash_impl/mask_tiles.h, from the
+// ids' [min, max] per row group and kv tile): documents per batch entry
+// whose blocks include some of every class at each pass's tile sizes
+// (asserted), with causal, GQA, kv lengths and dropout, and without causal
+// a cross-attention whose kv side is longer (documents past every query's).
+TEST(CpuFlash, SegmentTilesOfEveryClass) {
+  const int64_t D = 64;
+  int ran = 0;
+  for (ElementType t : {ElementType::float32, ElementType::bfloat16, ElementType::float64}) {
+    for (bool causal : {true, false}) {
+      Case c = base(std::string("segments ") + (causal ? "causal" : "cross"), t);
+      c.B = 2, c.H = 4, c.Hkv = 2, c.Tq = 640, c.Tk = causal ? 640 : 700, c.D = c.Dv = D, c.causal = causal;
+      if (causal) c.kv_lens = {640, 520}, c.p = 0.1;
+      for (int64_t b = 0; b < c.B; ++b) {
+        const int64_t len = causal ? 300 : 500;  // cross: whole 128 x 256 blocks inside one document too
+        const std::vector<int64_t> q = document_ids(c.Tq, len, 29 * b);
+        const std::vector<int64_t> k = document_ids(c.Tk, len, 29 * b);
+        c.qseg.insert(c.qseg.end(), q.begin(), q.end());
+        c.kseg.insert(c.kseg.end(), k.begin(), k.end());
+      }
+      expect_blocks_of_every_class(c);
+      check_case(c);
+      ++ran;
+    }
+  }
+  EXPECT_EQ(ran, 6);
+}
+
+// Segment ids need not be sorted or contiguous: scrambled ids (a few
+// values in no order, some runs, a row whose id no kv position has) over
+// many tiles, where a block's id ranges overlap without any equal pair or
+// with one; the classification from ranges must stay exact in the result.
+TEST(CpuFlash, SegmentsScrambled) {
+  int ran = 0;
+  for (ElementType t : {ElementType::float32, ElementType::float64}) {
+    for (bool causal : {true, false}) {
+      Case c = base(std::string("scrambled segments ") + (causal ? "causal" : "cross"), t);
+      c.B = 2, c.H = 4, c.Hkv = 2, c.Tq = 300, c.Tk = causal ? 300 : 533, c.D = c.Dv = 32, c.causal = causal;
+      c.kv_lens = {c.Tk, c.Tk - 61};
+      for (int64_t b = 0; b < c.B; ++b) {
+        for (int64_t i = 0; i < c.Tq; ++i) c.qseg.push_back(i == 17 ? 99 : i < 100 ? (i * 7 + b) % 5 : (i / 40) % 3);
+        for (int64_t j = 0; j < c.Tk; ++j) c.kseg.push_back(j < 100 ? (j * 3 + b) % 5 : (j / 50) % 3);
+      }
+      check_case(c);
+      ++ran;
+    }
+  }
+  EXPECT_EQ(ran, 4);
 }
 
 TEST(CpuFlash, BroadcastDropout) {

@@ -53,7 +53,11 @@ std::vector<CudaKernelCase> cuda_kernel_cases() {
       // Variants.
       add({.name = "all_variants_gqa_dropout", .H = 8, .Hkv = 2, .Tq = 130, .causal = true, .kv_lens = {130, 97},
            .offsets = {0, -9}, .p = 0.2, .window_left = 50, .softcap = 3.0, .alibi = true, .sinks = true,
-           .bias = true, .mask = true});
+           .bias = true, .mask = true, .segments = true});
+      add({.name = "segments_gqa_causal_dropout", .H = 8, .Hkv = 2, .Tq = 130, .causal = true, .kv_lens = {130, 97},
+           .p = 0.2, .segments = true});
+      add({.name = "segments_cross_bias", .kv_lens = {130, 70}, .offsets = {30, -5}, .window_left = 60,
+           .window_right = 10, .bias = true, .segments = true});
       // A block of a longer sequence (context parallelism): its causal offset
       // beyond its own extents, an odd first kv position for dropout's keys
       // (a pair of columns straddles two Philox counters), windows and ALiBi
@@ -132,7 +136,8 @@ Oracle oracle(const CudaKernelCase& c, const std::vector<double>& qkv, const std
               const std::vector<double>& vbuf, const View& qv, const View& kv, const View& vv,
               const std::vector<double>& dout, double scale, const std::vector<double>& slopes,
               const std::vector<double>& sinks, const std::vector<float>& bias, const std::vector<uint8_t>& mask,
-              const std::vector<int64_t>& row_lens, const std::vector<int64_t>& row_offsets) {
+              const std::vector<int64_t>& row_lens, const std::vector<int64_t>& row_offsets,
+              const std::vector<int64_t>& qseg, const std::vector<int64_t>& kseg) {
   const int64_t B = c.B, H = c.H, G = c.H / c.Hkv, Tq = c.Tq, Tk = c.Tk, D = c.D;
   Oracle o;
   o.out.assign(B * H * Tq * D, 0);
@@ -155,7 +160,8 @@ Oracle oracle(const CudaKernelCase& c, const std::vector<double>& qkv, const std
         const int64_t len = row_lens.empty() || i >= q_len ? kv_len : row_lens[row_offsets[bh] + i];
         return i < q_len && j < len && (!c.causal || j <= i + off) &&
                (c.window_left < 0 || j >= i + off - c.window_left) &&
-               (c.window_right < 0 || j <= i + off + c.window_right) && (!c.mask || mask[(b * Tq + i) * Tk + j] != 0);
+               (c.window_right < 0 || j <= i + off + c.window_right) && (!c.mask || mask[(b * Tq + i) * Tk + j] != 0) &&
+               (!c.segments || qseg[b * Tq + i] == kseg[b * Tk + j]);
       };
       auto q = [&](int64_t i, int64_t d) { return qkv[qv.at(b, h, i, d)]; };
       auto k = [&](int64_t j, int64_t d) { return kbuf[kv.at(b, hk, j, d)]; };
@@ -330,6 +336,13 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   for (uint8_t& x : mask) x = uniform(rng) >= 0.25;
   for (int64_t i = 3; i < (c.mask ? Tq : 0); i += 7)  // rows the mask leaves no position (batch entry 0)
     std::fill(mask.begin() + i * Tk, mask.begin() + (i + 1) * Tk, uint8_t{0});
+  // Segment ids [B, Tq] and [B, Tk]: document d of entry b has 20 + (37 d + 29 b) % 40 positions.
+  std::vector<int64_t> qseg, kseg, qseg_offsets(B * H), kseg_offsets(B * H);
+  for (int64_t b = 0; b < (c.segments ? B : 0); ++b)
+    for (auto [ids, T] : {std::pair{&qseg, Tq}, std::pair{&kseg, Tk}})
+      for (int64_t d = 0, x = 0; x < T; ++d)
+        for (int64_t y = 0; y < 20 + (37 * d + 29 * b) % 40 && x < T; ++y, ++x) ids->push_back(d);
+  for (int64_t x = 0; x < B * H; ++x) qseg_offsets[x] = (x / H) * Tq, kseg_offsets[x] = (x / H) * Tk;
   std::vector<int64_t> bias_offsets(B * H), mask_offsets(B * H);
   for (int64_t x = 0; x < B * H; ++x) bias_offsets[x] = (x % H) * Tq * Tk, mask_offsets[x] = (x / H) * Tq * Tk;
   // Per-row kv lengths: planes of Tq rows, per (b, h) or per b; the
@@ -349,7 +362,7 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
         for (int64_t i = 0; i < Tq; ++i) kv_lens[x / H] = std::max(kv_lens[x / H], row_lens[row_offsets[x] + i]);
     }
   }
-  const Oracle o = oracle(c, qf, kvals, vvals, qv, kv, vv, df, scale, slopes, sinks, bias, mask, row_lens, row_offsets);
+  const Oracle o = oracle(c, qf, kvals, vvals, qv, kv, vv, df, scale, slopes, sinks, bias, mask, row_lens, row_offsets, qseg, kseg);
   if (c.zero_queries) {
     EXPECT_GT(o.kept_overflowing, 0) << "the case keeps no weight that 1/(1-p) pushes past float16's range";
   }
@@ -406,6 +419,10 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
     cp.score.dbias = cpu_dbias.data();
   }
   if (c.mask) cp.score.mask.data = mask.data(), cp.score.mask.offsets = mask_offsets.data();
+  if (c.segments) {
+    cp.score.query_segments = {qseg.data(), qseg_offsets.data(), 1, 0};
+    cp.score.kv_segments = {kseg.data(), kseg_offsets.data(), 0, 1};
+  }
   ThreadPool pool(2);
   flash_attention_forward_cpu(cp, pool.as_parallel_for());
   flash_attention_backward_cpu(cp, pool.as_parallel_for());
@@ -419,7 +436,9 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
       offsets(runner, 8 * c.offsets.size()), slopes_d(runner, c.alibi ? 8 * H : 0),
       sinks_d(runner, c.sinks ? 8 * H : 0), dsinks_d(runner, c.sinks ? 8 * B * H : 0),
       bias_d(runner, 4 * bias.size()), dbias_d(runner, 4 * bias.size()), mask_d(runner, mask.size()),
-      bias_offsets_d(runner, c.bias ? 8 * B * H : 0), mask_offsets_d(runner, c.mask ? 8 * B * H : 0);
+      bias_offsets_d(runner, c.bias ? 8 * B * H : 0), mask_offsets_d(runner, c.mask ? 8 * B * H : 0),
+      qseg_d(runner, 8 * qseg.size()), kseg_d(runner, 8 * kseg.size()),
+      qseg_offsets_d(runner, c.segments ? 8 * B * H : 0), kseg_offsets_d(runner, c.segments ? 8 * B * H : 0);
   auto put = [&](const Buf& dst, const void* src) {
     if (dst.bytes > 0) runner.upload(dst.p, src, dst.bytes);
   };
@@ -452,6 +471,14 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   if (c.mask) {
     p.score.mask.data = mask_d.p;
     p.score.mask.offsets = static_cast<const int64_t*>(mask_offsets_d.p);
+  }
+  put(qseg_d, qseg.data());
+  put(kseg_d, kseg.data());
+  put(qseg_offsets_d, qseg_offsets.data());
+  put(kseg_offsets_d, kseg_offsets.data());
+  if (c.segments) {
+    p.score.query_segments = {qseg_d.p, static_cast<const int64_t*>(qseg_offsets_d.p), 1, 0};
+    p.score.kv_segments = {kseg_d.p, static_cast<const int64_t*>(kseg_offsets_d.p), 0, 1};
   }
   auto* base = static_cast<uint16_t*>(q.p);
   p.q = base ? base + qv.offset : nullptr;

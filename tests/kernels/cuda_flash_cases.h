@@ -47,6 +47,10 @@ struct CudaKernelCase {
   // (true with probability 3/4; every 7th row of entry 0 all false), read
   // through per-(b, h) plane offsets.
   bool bias = false, mask = false;
+  // Segment ids (attention_params.h's query_segments, kv_segments) per batch
+  // entry, shared by the heads: documents of irregular lengths (about 40
+  // positions, shifted per entry), over [batch, Tq] and [batch, Tk].
+  bool segments = false;
   // The call as a block of a longer sequence: dropout keys row q_position + i
   // and kv position kv_position + j (attention_params.h).
   int64_t q_position = 0, kv_position = 0;
@@ -60,7 +64,7 @@ inline void PrintTo(const CudaKernelCase& c, std::ostream* os) { *os << c.name; 
 // dropout, packed qkv views), the edge cases (zero-length entries, query
 // lengths, negative offsets, dropout near 1 in float16, per-row kv lengths
 // with rows of length 0) and the variants
-// (windows, soft-capping, ALiBi, sinks, bias, mask, and all of them with dropout), each
+// (windows, soft-capping, ALiBi, sinks, bias, mask, segments, and all of them with dropout), each
 // for bfloat16 and float16, head dims 64 and 128.
 std::vector<CudaKernelCase> cuda_kernel_cases();
 

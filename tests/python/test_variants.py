@@ -1,5 +1,5 @@
 """The attention variants from Python (windows, soft-capping, ALiBi, sinks, bias,
-mask): against the forced reference path and a plain torch implementation,
+mask, segments): against the forced reference path and a plain torch implementation,
 gradcheck including the sinks and the bias (summed over the dims it is broadcast
 along), opcheck, torch.compile, repeated calls, and bad input."""
 import dataclasses
@@ -18,8 +18,12 @@ SLOPES, SINKS = [0.5, 0.25, 0.125], [0.3, -1.0, 2.0]
 # of TQ positions against a kv dim of TK; kv lengths per batch entry, causal
 # offsets per entry, and the variants. A bias or mask is given by the roles of
 # its dims ("batch", "heads", "q", "kv"; in self-attention "kv" is `axis`, the kv
-# position); `empty_row`: a query row the mask leaves no position.
+# position); `empty_row`: a query row the mask leaves no position. Segments: ids
+# SEG_SELF over [batch, time] as both sides in self-attention, else SEG_Q (int32)
+# over [batch, tq] and SEG_KV over [batch, kv] (row 2 of entry 0 matches no kv id).
 T, TQ, TK = 6, 3, 7
+SEG_SELF = [[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 2, 2]]
+SEG_Q, SEG_KV = [[0, 1, 5], [0, 0, 1]], [[0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1]]
 ROLES = ["batch", "heads", "q", "kv"]
 CASES = {
     "window_causal_self": dict(self=True, lengths=[6, 4], causal=True, window=(2, None)),
@@ -36,8 +40,10 @@ CASES = {
     "mask_key_padding": dict(mask=["batch", "kv"]),
     "mask_q_kv_empty_row": dict(mask=["q", "kv"], empty_row=1),
     "bias_mask_lengths": dict(lengths=[7, 4], bias=["heads", "kv"], mask=["batch", "q", "kv"], empty_row=0),
+    "segments_causal_self": dict(self=True, lengths=[6, 4], causal=True, segments=True),
+    "segments_cross_window": dict(offset=[2, 3], window=(3, 1), segments=True),
     "all": dict(causal=True, offset=[4, 2], lengths=[7, 5], window=(3, None), softcap=1.5, alibi=True, sinks=True,
-                bias=["heads", "q", "kv"], mask=["batch", "q", "kv"], empty_row=2),
+                bias=["heads", "q", "kv"], mask=["batch", "q", "kv"], empty_row=2, segments=True),
 }
 
 
@@ -81,9 +87,15 @@ class Case:
             if "empty_row" in c:
                 raw.select(c["mask"].index("q"), c["empty_row"]).fill_(False)
             self.mask = da.Tensor(raw, [dims[r][0] for r in c["mask"]])
+        self.qseg = self.kvseg = None
+        if c.get("segments") and c.get("self"):  # one tensor as both sides
+            self.qseg = self.kvseg = da.Tensor(torch.tensor(SEG_SELF), [batch, self.tq])
+        elif c.get("segments"):
+            self.qseg = da.Tensor(torch.tensor(SEG_Q, dtype=torch.int32), [batch, self.tq])
+            self.kvseg = da.Tensor(torch.tensor(SEG_KV), [batch, self.kv])
         kw = dict(key_dim=feat, axis=self.kv, window=c.get("window"), softcap=c.get("softcap"),
                   alibi_slopes=self.slopes, sinks=self.sinks, sink_off_by_one=c.get("off_by_one", False),
-                  bias=self.bias, mask=self.mask)
+                  bias=self.bias, mask=self.mask, query_segments=self.qseg, kv_segments=self.kvseg)
         if c.get("causal"):
             kw["causal_query_spatial_dim"] = self.tq
         elif c.get("window") or c.get("alibi"):
@@ -109,7 +121,7 @@ class Case:
 
     def plain(self, bias=None):
         """The documented semantics in plain torch, in the documented order: scale ->
-        softcap -> + bias + ALiBi -> masks (padding, causal, window, mask) -> softmax
+        softcap -> + bias + ALiBi -> masks (padding, causal, window, mask, segments) -> softmax
         with the sink. `bias`: a raw replacement of the case's (for its gradient)."""
         c = self.c
         q, k, v = self.q.raw.detach(), self.k.raw.detach(), self.v.raw.detach()
@@ -135,6 +147,9 @@ class Case:
             allowed = allowed & (dist >= -right)
         if c.get("mask"):
             allowed = allowed & aligned(self.mask.raw, c["mask"])
+        if c.get("segments"):
+            qs, ks = self.qseg.raw.long(), self.kvseg.raw.long()
+            allowed = allowed & (qs[:, None, :, None] == ks[:, None, None, :])
         e = e.masked_fill(~allowed, float("-inf"))
         if c.get("sinks") or c.get("off_by_one"):
             sink = torch.tensor(SINKS if c.get("sinks") else [0.0] * H, dtype=e.dtype)
@@ -219,7 +234,8 @@ def test_trace_energy_is_after_softcap_bias_and_alibi():
 GRAD_CASES = [(name, "auto") for name in ("window_two_sided_offset", "softcap", "alibi_causal_offset",
                                           "sinks_lengths_empty_entry", "off_by_one_causal_self", "bias_heads_q_kv",
                                           "bias_kv", "bias_over_kv_position_self", "mask_q_kv_empty_row",
-                                          "bias_mask_lengths", "all")]
+                                          "bias_mask_lengths", "segments_causal_self", "segments_cross_window",
+                                          "all")]
 GRAD_CASES += [(name, "reference") for name in ("sinks_lengths_empty_entry", "bias_kv", "bias_mask_lengths", "all")]
 
 
@@ -363,6 +379,17 @@ def test_bad_variant_input_names_the_option():
         call(mask=[True, False])
     with pytest.raises(da.Error, match=r"mask must be a bool tensor"):
         da.explain(case.q, case.k, case.v, **{**kw, "mask": da.Tensor(mask.raw.float(), mask.dims)})
+    # segments
+    ids = da.Tensor(torch.tensor(SEG_SELF), [case.batch, case.tq])
+    with pytest.raises(da.Error, match=r"\[dot_attention\] query_segments is set but kv_segments is not.*"
+                                       r"in self-attention pass the same \[batch, axis\] tensor as both"):
+        call(query_segments=ids)
+    with pytest.raises(da.Error, match=r"\[dot_attention\] kv_segments must be an int32 or int64 tensor of segment "
+                                       r"ids, got Tensor\(float32.*pass mask"):
+        call(query_segments=ids, kv_segments=da.Tensor(ids.raw.float(), ids.dims))
+    with pytest.raises(da.Error, match=r"query_segments \(batch\[2\], feat\[4\]\) has dim feat\[4\], which is not a "
+                                       r"dim it may vary over"):
+        call(query_segments=da.Tensor(torch.zeros(B, D, dtype=torch.long), [case.batch, case.feat]), kv_segments=ids)
 
 
 def test_variants_value_is_the_library_s_fields_and_equals_the_keywords():

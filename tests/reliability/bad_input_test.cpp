@@ -317,6 +317,33 @@ const std::map<std::string, ErrorCase>& error_cases() {
           o.variants.mask = compare(from_host({Dim("other", 2)}, {1, 0}, e.f32), Compare::gt, 0.5);
           dot_attention(e.q, e.k, e.v, o);
         }}},
+      {"segments_one_side",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.variants.query_segments = from_host({e.batch, e.time}, {0, 0, 1, 0, 1, 1}, e.i64);
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"segments_not_integer",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.variants.query_segments = from_host({e.batch, e.time}, {0, 0, 1, 0, 1, 1}, e.f32);
+          o.variants.kv_segments = from_host({e.enc}, {0, 0, 1, 1, 1}, e.i64);
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"segments_kv_over_query_dim",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.variants.query_segments = from_host({e.time}, {0, 0, 1}, e.i64);
+          o.variants.kv_segments = from_host({e.batch, e.time}, {0, 0, 1, 0, 1, 1}, e.i64);
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"segments_query_over_axis",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.variants.query_segments = from_host({e.enc}, {0, 0, 1, 1, 1}, e.i64);
+          o.variants.kv_segments = from_host({e.enc}, {0, 0, 1, 1, 1}, e.i64);
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
       // --- blocks of a longer sequence ---
       {"positions_without_position",
        {[](const Ex& e) {
@@ -354,6 +381,14 @@ const std::map<std::string, ErrorCase>& error_cases() {
               e.q, e.q, e.q,
               {.key_dim = e.feat, .axis = e.time, .variants = {.mask = compare(e.lens({1, 2}), Compare::gt, 0.0)}},
               ContextParallel{"0"});
+        }}},
+      {"context_parallel_with_segments",
+       {[](const Ex& e) {
+          const Tensor ids = from_host({e.batch, e.time}, {0, 0, 1, 0, 1, 1}, e.i64);
+          context_parallel_attention(e.q, e.q, e.q,
+                                     {.key_dim = e.feat, .axis = e.time,
+                                      .variants = {.query_segments = ids, .kv_segments = ids}},
+                                     ContextParallel{"0"});
         }}},
       {"context_parallel_lengths_not_integer",
        {[](const Ex& e) {

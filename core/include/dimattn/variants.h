@@ -1,6 +1,6 @@
 #pragma once
 // AttentionVariants: the variants of one dot_attention call (sliding window,
-// soft-capping, ALiBi, sinks, bias, mask; docs/api.md, "Variants"), as one
+// soft-capping, ALiBi, sinks, bias, mask, segments; docs/api.md, "Variants"), as one
 // value carried whole from every entry point (AttentionOptions, the modules'
 // config, the Python op, context parallelism, the case library, the CLI) to
 // the backend's AttentionCall and from there into the kernels' params.
@@ -36,7 +36,7 @@ struct AttentionWindow {
 // The variants of a call as kernel selection sees them: which are on, never
 // their sizes or values (AttentionParams::variants, the plan cache's key,
 // each gate's rejection by name).
-enum class VariantKind : uint8_t { window, softcap, alibi, sinks, sinks_grad, bias, bias_grad, mask, count_ };
+enum class VariantKind : uint8_t { window, softcap, alibi, sinks, sinks_grad, bias, bias_grad, mask, segments, count_ };
 
 // Its short name (describe(), `dimattn explain`) and what it is in words (errors).
 inline const std::pair<const char*, const char*>& variant_names(VariantKind v) {
@@ -44,7 +44,8 @@ inline const std::pair<const char*, const char*>& variant_names(VariantKind v) {
       {"window", "a sliding window"},          {"softcap", "soft-capping"},
       {"alibi", "ALiBi"},                      {"sinks", "attention sinks"},
       {"sinks_grad", "a gradient of sinks"},   {"bias", "an additive bias"},
-      {"bias_grad", "a gradient of a bias"},   {"mask", "a boolean mask"}};
+      {"bias_grad", "a gradient of a bias"},   {"mask", "a boolean mask"},
+      {"segments", "segment ids (document masking)"}};
   static_assert(std::size(kNames) == static_cast<size_t>(VariantKind::count_), "one name per VariantKind");
   return kNames[static_cast<size_t>(v)];
 }
@@ -95,6 +96,16 @@ struct AttentionVariants {
   // A bool mask over dims as for `bias`: true = may attend. Combined with
   // every other mask; a row left without any position gives 0.
   std::optional<Tensor> mask;
+  // Segments (document masking, packed sequences): integer ids (int32 or
+  // int64) of the query positions and of the kv positions; query row i may
+  // attend kv j iff their ids are equal. Combined with every other mask,
+  // never materialised as a [t, kv] mask; constant. query_segments varies
+  // over the query's dims (batch dims and its own: its positional dim,
+  // heads of GQA), kv_segments over the keys' (batch dims, keys-only dims
+  // and `axis`, the kv position). Both or neither. In self-attention (`axis`
+  // in the query) one tensor over [batch, axis] serves as both: the query
+  // side reads `axis` as the query position, the kv side as the kv position.
+  std::optional<Tensor> query_segments, kv_segments;
 
   // fn(name, field) for every field, in declaration order: how the Python
   // op's schema, its decoding, context parallelism's agreement and the CLI
@@ -108,10 +119,12 @@ struct AttentionVariants {
     fn("sink_off_by_one", v.sink_off_by_one);
     fn("bias", v.bias);
     fn("mask", v.mask);
+    fn("query_segments", v.query_segments);
+    fn("kv_segments", v.kv_segments);
   }
 
   // Whether the tensor field of this name gets a gradient (the sinks, the
-  // bias); the other tensors are constants (ALiBi's slopes, the mask).
+  // bias); the other tensors are constants (ALiBi's slopes, the mask, segments).
   static bool learnable(std::string_view field) { return field == "sinks" || field == "bias"; }
 
   // Which are on (a learnable tensor that requires grad adds its *_grad kind).
@@ -122,7 +135,8 @@ struct AttentionVariants {
 
   // Throws dimattn::Error "[op] ..." for values no call can take: window
   // sides < 0 or neither set, a right side with causal attention, softcap
-  // not finite and > 0, a sink tensor with the off-by-one sink. The checks
+  // not finite and > 0, a sink tensor with the off-by-one sink, one side of
+  // the segment ids without the other. The checks
   // that need no operands (the modules make them when constructed).
   void check_values(const char* op, bool causal) const;
 
@@ -148,8 +162,8 @@ struct VariantRoles {
 
 // check_values, then each variant's tensor against the roles (backend, dtype,
 // the dims it may vary over; windows and ALiBi need a positional dim).
-// Returns the variants as the call's kernels see them: a bias or mask over
-// `axis` relabelled to the kv side of self-attention.
+// Returns the variants as the call's kernels see them: a bias, mask or
+// kv_segments over `axis` relabelled to the kv side of self-attention.
 AttentionVariants checked_variants(const char* op, const AttentionVariants& v, const VariantRoles& roles);
 
 }  // namespace dimattn

@@ -103,8 +103,7 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
     const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
     const EntryMask mask = entry_mask_of(p, b, h);
     const ScoreMod<A> masked = score_mod_of<A>(p.score, mask, b, h, p.heads);
-    ScoreMod<A> unmasked = masked;  // for the bool mask's full blocks
-    unmasked.mask = nullptr;
+    const ScoreMod<A> unmasked = masked.unmasked();  // for the full blocks of the bool mask and segments
     // d(bias) of this head's plane: dS itself (bias adds to the score).
     A* const dbias = p.score.dbias_plane<A>(b * p.heads + h);
     A* dq = share ? share + g * Tq * dp : w.dq;  // indexed by absolute row
@@ -153,7 +152,7 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
           const int64_t r0 = i0 - i_start;  // the block's first row in the task's copies
           const A* lse2 = w.lse2 + (i0 - i_start);
           const A* di = w.di + (i0 - i_start);
-          // The bool mask's class of the block (forward.h): empty blocks add
+          // The block's class under the bool mask and segments (forward.h): empty blocks add
           // nothing to any gradient.
           const TileClass cls = tiles.on() ? tiles.of(b * p.heads + h, i0, i0 + mm, j0) : TileClass::partial;
           if (cls == TileClass::empty) continue;

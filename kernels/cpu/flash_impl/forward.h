@@ -87,8 +87,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
   Operands& ops = w.ops;
   const EntryMask mask = entry_mask_of(p, b, h);
   const ScoreMod<A> masked = score_mod_of<A>(p.score, mask, b, h, p.heads);
-  ScoreMod<A> unmasked = masked;  // for the bool mask's full tiles
-  unmasked.mask = nullptr;
+  const ScoreMod<A> unmasked = masked.unmasked();  // for the full tiles of the bool mask and segments
   const int64_t hk = h / p.group_size();
   const S* q = static_cast<const S*>(p.q) + b * p.q_strides.batch + h * p.q_strides.head;
   const S* k = static_cast<const S*>(p.k) + b * p.k_strides.batch + hk * p.k_strides.head;
@@ -127,7 +126,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
 
   for (int64_t j0 = mask.lo(r0) / w.bk * w.bk; j0 < kv_end; j0 += w.bk) {
     const int64_t n = std::min(w.bk, kv_end - j0), np = round_up(n, W);
-    // The bool mask's class of the block: nothing allowed (skipped: no
+    // The class of the block under the bool mask and segments: nothing allowed (skipped: no
     // products, no exponentials), everything (no per-element mask), or some.
     const TileClass cls = tiles.on() ? tiles.of(b * p.heads + h, r0, rv, j0) : TileClass::partial;
     if (cls == TileClass::empty) continue;

@@ -1,6 +1,6 @@
-// Block classification of the bool mask: which (rows, kv tile) blocks it
-// forbids entirely (skipped), allows entirely (the unmasked inner loop) or
-// only in part (the per-element mask).
+// Block classification of the bool mask and of segment ids: which (rows,
+// kv tile) blocks they forbid entirely (skipped), allow entirely (the
+// unmasked inner loop) or only in part (the per-element mask).
 // A part of cpu/flash_attention_impl.h, which says what includes it and how.
 #ifndef DIMATTN_CPU_FLASH_PARTS
 #error "included by cpu/flash_attention_impl.h only"
@@ -17,67 +17,114 @@ enum TileBits : uint8_t {
 };
 enum class TileClass { empty, full, partial };
 
-// The classes of a call's bool mask (ScoreParams::mask), made once per pass
-// (forward and backward each classify for their own kv tile width; the scan
-// reads each distinct plane's bytes once, the same bytes the kernel would
-// read in its partial tiles anyway). Planes are told apart by their offsets:
-// a mask shared by all heads (or all batch entries) is classified once.
+// The distinct planes of a plane table (ScorePlanes::offsets over bhs flat
+// (b, h) indices), told apart by their offsets: the first bh of each, in
+// order of offset, and each bh's plane (an index into them) in plane_of.
+inline std::vector<int64_t> distinct_planes(const int64_t* offsets, int64_t bhs, std::vector<int64_t>& plane_of) {
+  std::vector<int64_t> firsts;
+  plane_of.resize(static_cast<size_t>(bhs));
+  std::vector<std::pair<int64_t, int64_t>> by_offset;  // (offset, bh), sorted
+  by_offset.reserve(static_cast<size_t>(bhs));
+  for (int64_t bh = 0; bh < bhs; ++bh) by_offset.push_back({offsets[bh], bh});
+  std::sort(by_offset.begin(), by_offset.end());
+  for (size_t i = 0; i < by_offset.size(); ++i) {
+    if (i == 0 || by_offset[i].first != by_offset[i - 1].first) firsts.push_back(by_offset[i].second);
+    plane_of[static_cast<size_t>(by_offset[i].second)] = static_cast<int64_t>(firsts.size()) - 1;
+  }
+  return firsts;
+}
+
+// The [min, max] of segment ids over cells of a plane: kRows query rows of
+// the query side, or one kv tile of the kv side.
+struct IdRange {
+  int64_t lo, hi;
+};
+
+// The classes of a call's bool mask (ScoreParams::mask) and segment ids
+// (ScoreParams::query_segments, kv_segments), made once per pass (forward
+// and backward each classify for their own kv tile width; the scan reads
+// each distinct plane's bytes once, the same bytes the kernel would read in
+// its partial tiles anyway). Planes are told apart by their offsets: a mask
+// or ids shared by all heads (or all batch entries) are classified once.
 // Cells are kRows query rows by bk kv positions, the tile width of the pass,
 // so that a pass asks about whole kv tiles (kv tiles start at multiples of
-// bk) and any row range.
+// bk) and any row range. Segments: a block is empty when the [min, max] of
+// its rows' ids and of its kv positions' ids are disjoint, full when both
+// hold one and the same id, else partial; with the mask too, empty when
+// either is, full when both are.
 class MaskTiles {
  public:
   static constexpr int64_t kRows = 16;
 
   MaskTiles() = default;  // no mask: every block partial (the caller applies the mask, if any, itself)
   MaskTiles(const AttentionKernelParams& p, int64_t bk, const ParallelFor& parallel_for) : bk_(bk) {
-    const ScorePlanes& mk = p.score.mask;
-    if (!mk.on() || p.seqlen_q == 0 || p.seqlen_k == 0) return;
+    if (p.seqlen_q == 0 || p.seqlen_k == 0) return;
     groups_ = (p.seqlen_q + kRows - 1) / kRows;
     tiles_ = (p.seqlen_k + bk - 1) / bk;
     const int64_t bhs = p.batch * p.heads;
-    // Distinct planes, in order of first use.
-    std::vector<int64_t> firsts;  // the first bh of each distinct plane
-    plane_of_.resize(static_cast<size_t>(bhs));
-    {
-      std::vector<std::pair<int64_t, int64_t>> by_offset;  // (offset, bh), sorted
-      by_offset.reserve(static_cast<size_t>(bhs));
-      for (int64_t bh = 0; bh < bhs; ++bh) by_offset.push_back({mk.offsets[bh], bh});
-      std::sort(by_offset.begin(), by_offset.end());
-      for (size_t i = 0; i < by_offset.size(); ++i) {
-        if (i == 0 || by_offset[i].first != by_offset[i - 1].first) firsts.push_back(by_offset[i].second);
-        plane_of_[static_cast<size_t>(by_offset[i].second)] = static_cast<int64_t>(firsts.size()) - 1;
-      }
-    }
-    bits_.assign(static_cast<size_t>(static_cast<int64_t>(firsts.size()) * groups_ * tiles_), 0);
-    parallel_for(0, static_cast<int64_t>(firsts.size()) * groups_, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t plane = t / groups_, g = t % groups_;
-        const int64_t i0 = g * kRows, rows = std::min(p.seqlen_q, i0 + kRows) - i0;
-        const uint8_t* base = mk.plane<uint8_t>(firsts[static_cast<size_t>(plane)]) + i0 * mk.row_stride;
-        uint8_t* out = bits_.data() + (plane * groups_ + g) * tiles_;
-        for (int64_t tile = 0; tile < tiles_; ++tile) {
-          const int64_t j0 = tile * bk, n = std::min(bk, p.seqlen_k - j0);
-          out[tile] = scan(base + j0 * mk.col_stride, rows, mk.row_stride, n, mk.col_stride);
+    const ScorePlanes& mk = p.score.mask;
+    if (mk.on()) {
+      const std::vector<int64_t> firsts = distinct_planes(mk.offsets, bhs, plane_of_);
+      bits_.assign(static_cast<size_t>(static_cast<int64_t>(firsts.size()) * groups_ * tiles_), 0);
+      parallel_for(0, static_cast<int64_t>(firsts.size()) * groups_, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t plane = t / groups_, g = t % groups_;
+          const int64_t i0 = g * kRows, rows = std::min(p.seqlen_q, i0 + kRows) - i0;
+          const uint8_t* base = mk.plane<uint8_t>(firsts[static_cast<size_t>(plane)]) + i0 * mk.row_stride;
+          uint8_t* out = bits_.data() + (plane * groups_ + g) * tiles_;
+          for (int64_t tile = 0; tile < tiles_; ++tile) {
+            const int64_t j0 = tile * bk, n = std::min(bk, p.seqlen_k - j0);
+            out[tile] = scan(base + j0 * mk.col_stride, rows, mk.row_stride, n, mk.col_stride);
+          }
         }
-      }
-    });
+      });
+    }
+    const ScorePlanes &qs = p.score.query_segments, &ks = p.score.kv_segments;
+    if (qs.on()) {  // O(T) per distinct plane: no threads
+      const std::vector<int64_t> qf = distinct_planes(qs.offsets, bhs, qplane_of_);
+      for (int64_t first : qf)
+        for (int64_t g = 0; g < groups_; ++g)
+          qranges_.push_back(id_range(qs.plane<int64_t>(first) + g * kRows * qs.row_stride,
+                                      std::min(kRows, p.seqlen_q - g * kRows), qs.row_stride));
+      const std::vector<int64_t> kf = distinct_planes(ks.offsets, bhs, kplane_of_);
+      for (int64_t first : kf)
+        for (int64_t tile = 0; tile < tiles_; ++tile)
+          kranges_.push_back(id_range(ks.plane<int64_t>(first) + tile * bk * ks.col_stride,
+                                      std::min(bk, p.seqlen_k - tile * bk), ks.col_stride));
+    }
   }
 
-  bool on() const { return !bits_.empty(); }
+  bool on() const { return !bits_.empty() || !qranges_.empty(); }
 
   // The class of rows [i0, i1) by kv positions [j0, j0 + bk) (clipped to the
   // call) of plane bh. pre: on(), j0 % bk == 0, 0 <= i0 < i1 <= seqlen_q.
   TileClass of(int64_t bh, int64_t i0, int64_t i1, int64_t j0) const {
-    const uint8_t* col = bits_.data() + plane_of_[static_cast<size_t>(bh)] * groups_ * tiles_ + j0 / bk_;
-    uint8_t b = 0;
-    for (int64_t g = i0 / kRows; g <= (i1 - 1) / kRows; ++g) b |= col[g * tiles_];
-    return b == kTileAllows ? TileClass::full : b == kTileForbids ? TileClass::empty : TileClass::partial;
+    const int64_t g0 = i0 / kRows, g1 = (i1 - 1) / kRows;
+    TileClass mask = TileClass::full;
+    if (!bits_.empty()) {
+      const uint8_t* col = bits_.data() + plane_of_[static_cast<size_t>(bh)] * groups_ * tiles_ + j0 / bk_;
+      uint8_t b = 0;
+      for (int64_t g = g0; g <= g1; ++g) b |= col[g * tiles_];
+      mask = b == kTileAllows ? TileClass::full : b == kTileForbids ? TileClass::empty : TileClass::partial;
+    }
+    if (qranges_.empty() || mask == TileClass::empty) return mask;
+    const IdRange* q = qranges_.data() + qplane_of_[static_cast<size_t>(bh)] * groups_;
+    IdRange r = q[g0];
+    for (int64_t g = g0 + 1; g <= g1; ++g) r.lo = std::min(r.lo, q[g].lo), r.hi = std::max(r.hi, q[g].hi);
+    const IdRange k = kranges_[static_cast<size_t>(kplane_of_[static_cast<size_t>(bh)] * tiles_ + j0 / bk_)];
+    if (r.hi < k.lo || k.hi < r.lo) return TileClass::empty;
+    const bool one = r.lo == r.hi && k.lo == k.hi && r.lo == k.lo;
+    return one && mask == TileClass::full ? TileClass::full : TileClass::partial;
   }
 
  private:
   // The bits of a block of mask bytes: rows of n bytes at p + r * rs, byte
   // c at + c * cs.
+  static IdRange id_range(const int64_t* ids, int64_t n, int64_t stride) {
+    IdRange r{ids[0], ids[0]};
+    for (int64_t x = 1; x < n; ++x) r.lo = std::min(r.lo, ids[x * stride]), r.hi = std::max(r.hi, ids[x * stride]);
+    return r;
+  }
   static uint8_t scan(const uint8_t* p, int64_t rows, int64_t rs, int64_t n, int64_t cs) {
     bool allows = false, forbids = false;
     if (cs == 1) {
@@ -109,6 +156,9 @@ class MaskTiles {
   }
 
   int64_t bk_ = 1, groups_ = 0, tiles_ = 0;
-  std::vector<int64_t> plane_of_;  // per bh: its distinct plane
+  std::vector<int64_t> plane_of_;  // per bh: its distinct plane of the mask
   std::vector<uint8_t> bits_;      // [plane][row group][kv tile]: TileBits
+  std::vector<int64_t> qplane_of_, kplane_of_;  // per bh: its distinct plane of query and kv ids
+  std::vector<IdRange> qranges_;                // [query plane][row group]
+  std::vector<IdRange> kranges_;                // [kv plane][kv tile]
 };

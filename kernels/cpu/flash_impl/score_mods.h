@@ -1,4 +1,4 @@
-// The score variants (soft-capping, bias, ALiBi, the boolean mask) on a row
+// The score variants (soft-capping, bias, ALiBi, the boolean mask, segments) on a row
 // of a score tile, in the tile's vector loop.
 // A part of cpu/flash_attention_impl.h, which says what includes it and how.
 #ifndef DIMATTN_CPU_FLASH_PARTS
@@ -7,7 +7,7 @@
 
 // ---------------------------------------------------------------------------
 // Score variants of one row: common/attention_mask.h's ScoreMod::apply, in
-// its order (cap, bias, ALiBi, then the mask), W lanes at a time.
+// its order (cap, bias, ALiBi, then the mask and segments), W lanes at a time.
 
 // Row i of a tile whose column c is kv position j0 + c: srow[c] becomes
 // apply(srow[c] * mul, i, j0 + c) for c in [lb, nv), computed in whole
@@ -60,6 +60,12 @@ void apply_score_mods(const ScoreMod<A>& mod, A* srow, A* th, int64_t lb, int64_
     const uint8_t* mrow = mod.mask + i * mod.mask_row + j0 * mod.mask_col;
     for (int64_t c = lb; c < nv; ++c)
       if (mrow[c * mod.mask_col] == 0) srow[c] = -std::numeric_limits<A>::infinity();
+  }
+  if (mod.qseg) {  // segments: kv positions of another id are forbidden
+    const int64_t id = mod.qseg[i * mod.qseg_row];
+    const int64_t* krow = mod.kvseg + j0 * mod.kvseg_col;
+    for (int64_t c = lb; c < nv; ++c)
+      if (krow[c * mod.kvseg_col] != id) srow[c] = -std::numeric_limits<A>::infinity();
   }
   if (th) {
     fill(th + c0, lb - c0, A(0));

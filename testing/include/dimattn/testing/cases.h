@@ -49,8 +49,17 @@ struct CaseVariants {
   // a shift s = 13 h + 29 b + 7 g from the mask's other dims' indices: whole
   // blocks of it forbid or allow everything, and a mask over h differs per head.
   int64_t mask_docs = 0;
+  // > 0: segment ids (query_segments, kv_segments) of documents of
+  // irregular lengths around this many positions (document d has
+  // n / 2 + (37 d + s) mod n positions, s = 29 b + 13 h from the indices of
+  // segments_over's dims), over the query's time dim and the kv dim; in
+  // self-attention one [.., time] tensor serves as both sides.
+  int64_t segment_docs = 0;
+  std::string segments_over = "b";  // letters of "bh": the dims the ids vary over besides positions
 
-  bool any() const { return scalars.any() || alibi || sinks || !bias.empty() || !mask.empty(); }
+  bool any() const {
+    return scalars.any() || alibi || sinks || !bias.empty() || !mask.empty() || segment_docs > 0;
+  }
   bool positional() const { return scalars.positional() || alibi; }  // need the query's positional dim
   std::string describe() const;  // " window=[4,-] bias=htk", "" for none
 };
