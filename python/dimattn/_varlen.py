@@ -3,12 +3,16 @@
 A ``[tokens, heads, D]`` tensor holds several sequences back to back; each
 attends only within its own sequence. The raw entry points take the sequence
 boundaries as FlashAttention (``cu_seqlens``) or RETURNN's packed backend
-(starts and lengths, gaps allowed) give them. The call runs as dot_attention over
-named dims ``[seq, time, heads, feat]`` with ``time`` dynamic (each sequence its
-own length): the tokens are gathered into that padded layout and the output
-scattered back, so the kernel's cost follows the sequences' own blocks (it skips
-the rows and kv positions past each sequence's length) at the price of one copy
-of q, k, v and the output (docs/python.md, "Packed sequences").
+(starts and lengths, gaps allowed) give them. Two ways to run it on dot_attention
+(docs/python.md, "Packed sequences"):
+
+- query and keys share one packing (self-attention): one call over the token dim
+  as it is, no copy, each token's sequence as its segment id (gap tokens match
+  nothing); the kernel skips the blocks between sequences.
+- otherwise (cross-attention, other packings): calls over ``[seq, time]`` with
+  ``time`` dynamic (each sequence its own length), one per power-of-two length
+  class; the tokens are gathered into that padded layout and the output scattered
+  back, and the kernel skips past each sequence's length.
 """
 from __future__ import annotations
 
@@ -63,14 +67,14 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 class PackedCall:
-    """A packed call as dot_attention calls over ``[seq, time, kv_heads, group,
-    feat]``, one per bucket of sequences of similar length (``buckets``: named
-    operands and keyword arguments; none when no token attends), and the scatter of
-    their outputs back to the packed rows (``run``). A bucket holds the sequences whose
-    longer side falls in one power-of-two range, padded to its longest: each sequence
-    is padded by less than its own length, so the copies stay within twice the tokens
-    whatever the spread of lengths. dimattn.returnn asks the selection about the
-    first bucket before it runs."""
+    """A packed call as dot_attention calls (``parts``: named operands and keyword
+    arguments; none when no token attends) and their outputs put back in the packed
+    rows (``run``). One part over the token dim itself with segment ids when query
+    and keys share their packing; else one per bucket of sequences of similar length:
+    a bucket holds the sequences whose longer side falls in one power-of-two range,
+    padded to its longest (each sequence is padded by less than its own length, so
+    the copies stay within twice the tokens whatever the spread of lengths).
+    dimattn.returnn asks the selection about the first part before it runs."""
 
     def __init__(self, query, key, value, starts_q, lens_q, starts_k, lens_k, max_len_q, max_len_k, *, causal,
                  dropout_p, scale, op):
@@ -81,17 +85,22 @@ class PackedCall:
             raise Error(f"[{op}] dropout_p must be in [0, 1), got {dropout_p}")
         self.shape = (query.shape[0], query.shape[1], value.shape[2])
         self.inputs = (query, key, value)
-        self.buckets = []
+        self.parts = []
         if query.shape[0] == 0 or n == 0 or key.shape[0] == 0:
             return
         lq, lk = lens_q.to(torch.int64), lens_k.to(torch.int64)
+        if query.shape[0] == key.shape[0] and torch.equal(lq, lk) and torch.equal(starts_q.to(torch.int64),
+                                                                                   starts_k.to(torch.int64)):
+            self.parts.append(_InPlace(query, key, value, starts_q, lq, causal=causal, dropout_p=dropout_p,
+                                       scale=scale))
+            return
         longer = torch.maximum(lq, lk)
         size_class = torch.where(longer > 0, torch.ceil(torch.log2(longer.clamp(min=1).double())), -1).long()
         for c in torch.unique(size_class).tolist():
             if c < 0 and (lq[size_class == c] == 0).all():
                 continue  # sequences without queries: no rows to compute
             pick = (size_class == c).nonzero().flatten()
-            self.buckets.append(_Bucket(query, key, value, starts_q[pick], lq[pick], starts_k[pick], lk[pick],
+            self.parts.append(_Bucket(query, key, value, starts_q[pick], lq[pick], starts_k[pick], lk[pick],
                                         causal=causal, dropout_p=dropout_p, scale=scale))
 
     def run(self) -> torch.Tensor:
@@ -99,11 +108,44 @@ class PackedCall:
         back, 0 in gap rows (all 0, still on the autograd graph, when nothing attends)."""
         query, key, value = self.inputs
         result = query.new_zeros(self.shape)
-        if not self.buckets:
+        if not self.parts:
             return result + 0 * (query.sum() + key.sum() + value.sum())
-        outs = [b.rows(dot_attention(b.query, b.keys, b.values, **b.kwargs)) for b in self.buckets]
-        tokens = torch.cat([b.tokens for b in self.buckets])
+        outs = [b.rows(dot_attention(b.query, b.keys, b.values, **b.kwargs)) for b in self.parts]
+        if self.parts[0].tokens is None:  # in place: every packed row, in order
+            return outs[0]
+        tokens = torch.cat([b.tokens for b in self.parts])
         return result.index_copy(0, tokens, torch.cat(outs))
+
+
+class _InPlace:
+    """Query and keys of one packing as they are, over the token dim, each token's
+    sequence its segment id (gap tokens: -1 on the query side, -2 on the kv side, so
+    they attend and are attended by nothing); causal over token positions is causal
+    within each sequence."""
+
+    tokens = None
+
+    def __init__(self, query, key, value, starts, lens, *, causal, dropout_p, scale):
+        T, H, Hkv, Dv = query.shape[0], query.shape[1], key.shape[1], value.shape[2]
+        tok, heads, group = Dim("tokens", T), Dim("kv_heads", Hkv), Dim("group", H // Hkv)
+        feat, vfeat = Dim("feat", query.shape[2]), Dim("vfeat", Dv)
+        seq = torch.arange(lens.numel(), device=query.device).repeat_interleave(lens)
+        first = torch.cumsum(lens, 0) - lens  # each sequence's first row among the real rows
+        rows = starts.to(torch.int64).repeat_interleave(lens) + torch.arange(seq.numel(), device=query.device) \
+            - first.repeat_interleave(lens)
+        ids_q = torch.full((T,), -1, dtype=torch.int64, device=query.device).index_put((rows,), seq)
+        ids_k = torch.full((T,), -2, dtype=torch.int64, device=query.device).index_put((rows,), seq)
+        self.query = Tensor(query.reshape(T, Hkv, H // Hkv, query.shape[2]), [tok, heads, group, feat])
+        self.keys = Tensor(key, [tok, heads, feat])
+        self.values = Tensor(value, [tok, heads, vfeat])
+        self.kwargs = dict(key_dim=feat, axis=tok, att_dropout=dropout_p, causal_query_spatial_dim=tok if causal
+                           else None, scale=scale, train=dropout_p > 0, query_segments=Tensor(ids_q, [tok]),
+                           kv_segments=Tensor(ids_k, [tok]))
+        self._out_dims = [tok, heads, group, vfeat]
+        self._shape = (T, H, Dv)
+
+    def rows(self, out: Tensor) -> torch.Tensor:
+        return out.raw_in(self._out_dims).reshape(self._shape)
 
 
 class _Bucket:

@@ -437,9 +437,9 @@ def _sdpa_varlen_raw(**kw) -> Optional[torch.Tensor]:
                            f"strict mode to let RETURNN take its own packed paths for such calls") from None
         _count("fallback", f"packed: {why}")
         return patch.original_varlen(**kw)
-    if not call.buckets:  # no token attends: nothing to select
+    if not call.parts:  # no token attends: nothing to select
         return call.run()
-    first = call.buckets[0]
+    first = call.parts[0]
     decision = _decision(first.query, first.keys, first.values, first.kwargs)
     if decision.kernel == "reference":
         _count("reference", "dimattn selected its reference path (packed)")

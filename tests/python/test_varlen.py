@@ -70,9 +70,8 @@ def test_varlen_matches_each_sequence_alone(lengths, heads, causal):
     with da.trace(capture_tensors=False) as t:
         out = da.varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)
     assert out.shape == (sum(lengths), h, 6)
-    # One call per power-of-two length class, each on the fused kernel.
-    classes = {math.ceil(math.log2(n)) for n in lengths if n}
-    assert [r.kernel for r in t.records] == ["cpu_flash"] * len(classes)
+    # One packing for query and keys: one call over the tokens as they are, on the fused kernel.
+    assert [r.kernel for r in t.records] == (["cpu_flash"] if sum(lengths) else [])
     ref = per_sequence(q, k, v, starts, lens, starts, lens, causal)
     assert_close_with_grads(out, ref, (q, k, v), 2e-5)
 
@@ -92,6 +91,42 @@ def test_cross_attention_with_gaps(causal):
     for s, n in zip(starts_q.tolist(), lq):
         gap_rows[s:s + n] = False
     assert gap_rows.sum() == 8 and (out[gap_rows] == 0).all()
+    assert_close_with_grads(out, ref, (q, k, v), 2e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_packing_with_gaps(causal):
+    """Query and keys of one packing with gaps between the sequences (one call over
+    the tokens, segment ids): gap rows are 0, attend nothing and are attended by
+    nothing (their keys and values get no gradient)."""
+    lengths = [3, 6, 1]
+    q, starts = packed(lengths, 2, 8, 17, gap=2)
+    k, _ = packed(lengths, 2, 8, 18, gap=2)
+    v, _ = packed(lengths, 2, 8, 19, gap=2)
+    lens = torch.tensor(lengths)
+    out = da.packed_attention(q, k, v, starts, lens, starts, lens, 6, 6, causal=causal)
+    gap = torch.ones(q.shape[0], dtype=torch.bool)
+    for s0, n in zip(starts.tolist(), lengths):
+        gap[s0:s0 + n] = False
+    assert gap.sum() == 6 and (out[gap] == 0).all()
+    ref = per_sequence(q, k, v, starts, lens, starts, lens, causal)
+    assert_close_with_grads(out, ref, (q, k, v), 2e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_other_packings_run_in_length_classes(causal):
+    """Query and kv sequences of equal lengths but packed apart (other gaps): the
+    tokens are gathered per power-of-two length class, one call each."""
+    lengths = [5, 0, 1, 7, 40]
+    q, starts_q = packed(lengths, 4, 8, 14, gap=1)
+    k, starts_k = packed(lengths, 2, 8, 15)
+    v, _ = packed(lengths, 2, 8, 16)
+    lens = torch.tensor(lengths)
+    with da.trace(capture_tensors=False) as t:
+        out = da.packed_attention(q, k, v, starts_q, lens, starts_k, lens, 40, 40, causal=causal)
+    classes = {math.ceil(math.log2(n)) for n in lengths if n}
+    assert [r.kernel for r in t.records] == ["cpu_flash"] * len(classes) and len(classes) == 3
+    ref = per_sequence(q, k, v, starts_q, lens, starts_k, lens, causal)
     assert_close_with_grads(out, ref, (q, k, v), 2e-5)
 
 
