@@ -57,6 +57,16 @@ std::string join(const std::vector<int64_t>& xs) {
 
 std::vector<double> as_doubles(const std::vector<int64_t>& xs) { return {xs.begin(), xs.end()}; }
 
+// The index along each of `dims` of element `flat` of a row-major tensor over them.
+std::vector<int64_t> unravel(int64_t flat, const Dims& dims) {
+  std::vector<int64_t> idx(dims.size());
+  for (size_t a = dims.size(); a-- > 0;) {
+    idx[a] = flat % dims[a].extent();
+    flat /= dims[a].extent();
+  }
+  return idx;
+}
+
 // The case's kv lengths over the dims lengths_over names (AttentionCase says
 // how they are drawn); `dims` are the dims of its letters b, h, g, t, e.
 Tensor kv_lengths(const AttentionCase& c, const Dims& dims, const TensorOptions& ints) {
@@ -64,19 +74,17 @@ Tensor kv_lengths(const AttentionCase& c, const Dims& dims, const TensorOptions&
   Dims over;
   for (char x : c.lengths_over) over.push_back(dims[std::string("bhgte").find(x)]);
   const size_t bat = c.lengths_over.find('b');
-  int64_t n = 1;
-  for (const Dim& d : over) n *= d.extent();
+  const int64_t n = product(over);
   std::vector<double> values(static_cast<size_t>(n));
   for (int64_t e = 0; e < n; ++e) {
     // Element e's batch index and flat index over the other dims.
-    int64_t rest = e, b = 0, x = 0, inner = 1;
+    const std::vector<int64_t> idx = unravel(e, over);
+    int64_t b = 0, x = 0, inner = 1;
     for (size_t a = over.size(); a-- > 0;) {
-      const int64_t i = rest % over[a].extent();
-      rest /= over[a].extent();
       if (a == bat) {
-        b = i;
+        b = idx[a];
       } else {
-        x += i * inner;
+        x += idx[a] * inner;
         inner *= over[a].extent();
       }
     }
@@ -253,18 +261,16 @@ Operands make_operands(const AttentionCase& c, bool requires_grad) {
   if (!v.bias.empty()) var.bias = operand(score_dims(v.bias), c.seed + 3);
   if (!v.mask.empty() && v.mask_docs > 0) {
     const Dims dims = score_dims(v.mask);
-    int64_t n = 1;
-    for (const Dim& d : dims) n *= d.extent();
+    const int64_t n = product(dims);
     std::vector<double> allowed(static_cast<size_t>(n));
     for (int64_t flat = 0; flat < n; ++flat) {
-      int64_t rest = flat, t = 0, k = 0, shift = 0;
-      for (size_t a = dims.size(); a-- > 0;) {
-        const int64_t idx = rest % dims[a].extent();
-        rest /= dims[a].extent();
+      const std::vector<int64_t> idx = unravel(flat, dims);
+      int64_t t = 0, k = 0, shift = 0;
+      for (size_t a = 0; a < dims.size(); ++a) {
         const char x = v.mask[a];
-        if (x == 't') t = idx;
-        if (x == 'k') k = idx;
-        shift += idx * (x == 'h' ? 13 : x == 'b' ? 29 : x == 'g' ? 7 : 0);
+        if (x == 't') t = idx[a];
+        if (x == 'k') k = idx[a];
+        shift += idx[a] * (x == 'h' ? 13 : x == 'b' ? 29 : x == 'g' ? 7 : 0);
       }
       allowed[static_cast<size_t>(flat)] = (t + shift) / v.mask_docs == (k + shift) / v.mask_docs ? 1.0 : 0.0;
     }
@@ -280,14 +286,11 @@ Operands make_operands(const AttentionCase& c, bool requires_grad) {
       for (char x : v.segments_over) dims.push_back(x == 'b' ? batch : heads);
       dims.push_back(position);
       std::vector<double> out;
-      int64_t planes = 1;
-      for (size_t a = 0; a + 1 < dims.size(); ++a) planes *= dims[a].extent();
-      for (int64_t plane = 0; plane < planes; ++plane) {
-        int64_t shift = 0, rest = plane;
-        for (size_t a = dims.size() - 1; a-- > 0;) {
-          shift += rest % dims[a].extent() * (v.segments_over[a] == 'b' ? 29 : 13);
-          rest /= dims[a].extent();
-        }
+      const Dims outer(dims.begin(), dims.end() - 1);
+      for (int64_t plane = 0; plane < product(outer); ++plane) {
+        const std::vector<int64_t> idx = unravel(plane, outer);
+        int64_t shift = 0;
+        for (size_t a = 0; a < outer.size(); ++a) shift += idx[a] * (v.segments_over[a] == 'b' ? 29 : 13);
         const int64_t n = v.segment_docs;
         for (int64_t d = 0, x = 0; x < position.extent(); ++d)
           for (int64_t y = 0; y < std::max<int64_t>(1, n / 2 + (37 * d + shift) % n) && x < position.extent(); ++y, ++x)
