@@ -37,15 +37,15 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1:
             raise Error(f"[varlen_attention] {name} must be a 1-d integer tensor of sequences + 1 offsets "
                         f"(0 first), got {_describe(cu)}")
-    return packed_attention(query, key, value, cu_seqlens_q[:-1], cu_seqlens_q.diff(), cu_seqlens_k[:-1],
-                            cu_seqlens_k.diff(), max_seqlen_q, max_seqlen_k, causal=causal, dropout_p=dropout_p,
-                            scale=scale, op="varlen_attention")
+    return PackedCall(query, key, value, cu_seqlens_q[:-1], cu_seqlens_q.diff(), cu_seqlens_k[:-1],
+                      cu_seqlens_k.diff(), max_seqlen_q, max_seqlen_k, causal=causal, dropout_p=dropout_p,
+                      scale=scale, op="varlen_attention").run()
 
 
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts_q: torch.Tensor,
                      lens_q: torch.Tensor, starts_k: torch.Tensor, lens_k: torch.Tensor, max_len_q: int,
-                     max_len_k: int, *, causal: bool = False, dropout_p: float = 0.0, scale: Optional[float] = None,
-                     op: str = "packed_attention") -> torch.Tensor:
+                     max_len_k: int, *, causal: bool = False, dropout_p: float = 0.0,
+                     scale: Optional[float] = None) -> torch.Tensor:
     """Attention over packed sequences given by their starts and lengths (RETURNN's
     ``sdpa_varlen_raw`` convention; tokens between sequences are gaps, which no
     query attends and whose output rows are 0).
@@ -63,7 +63,7 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     sequence is empty gives 0.
     """
     return PackedCall(query, key, value, starts_q, lens_q, starts_k, lens_k, max_len_q, max_len_k, causal=causal,
-                      dropout_p=dropout_p, scale=scale, op=op).run()
+                      dropout_p=dropout_p, scale=scale, op="packed_attention").run()
 
 
 class PackedCall:
