@@ -22,12 +22,15 @@
 // of (b, h)), and kv_len is their maximum over the entry, an upper bound.
 // lo is nondecreasing in i; so is hi over the rows i < q_len when every row
 // has the entry's length, and a block of rows [r0, r1) attends
-// [lo(r0), hi_max(r0, r1)) either way (hi_max: hi(r1 - 1) then, a loop over
-// the rows with per-row lengths). A kv position is attended by at most the
-// contiguous run of rows rows_reaching() gives, which ignores lengths (a
-// superset with per-row lengths: kernels mask each element by its row's hi).
-// Kernels skip the blocks outside a window's band and past every row's
-// length.
+// [lo_min(r0, r1), hi_max(r0, r1)) either way (lo(r0) and hi(r1 - 1) then,
+// a loop over the rows with per-row lengths). A kernel may narrow each row
+// further to the kv run of its segment id (EntryMask::run_lo, run_hi: the
+// segments variant below, where each id's kv positions are contiguous); lo
+// and hi then take it in, and lose their order. A kv position is attended by
+// at most the contiguous run of rows rows_reaching() gives, which ignores
+// lengths and runs (a superset then: kernels mask each element by its row's
+// lo and hi). Kernels skip the blocks outside a window's band and past every
+// row's length.
 //
 // How the reference path (frontend/src/attention_reference.cpp) maps onto it:
 // causal there allows kv j iff j <= i + offset, i.e. j < i + offset + 1 = the
@@ -110,11 +113,17 @@ struct EntryMask {
   // kv_len when row_kv_len is null. A stride of 0: one length per plane.
   const int64_t* row_kv_len = nullptr;
   int64_t row_kv_stride = 0;
+  // Segment runs (a kernel's own narrowing, never set by entry_mask): row i
+  // attends only kv positions [run_lo[i], run_hi[i]), the run of its
+  // segment id where each id's kv positions are one contiguous run
+  // (cpu/flash_impl/mask_tiles.h finds them). Null = no such bound.
+  const int64_t* run_lo = nullptr;
+  const int64_t* run_hi = nullptr;
 
   DIMATTN_HD int64_t lo(int64_t i) const {
     const int64_t left = bounds.window_left;
-    if (left < 0) return 0;
-    const int64_t l = i + offset - left;
+    int64_t l = left < 0 ? 0 : i + offset - left;
+    if (run_lo && run_lo[i] > l) l = run_lo[i];
     return l > 0 ? l : 0;
   }
   DIMATTN_HD int64_t hi(int64_t i) const {
@@ -123,14 +132,35 @@ struct EntryMask {
     int64_t h = row_kv_len ? row_kv_len[i * row_kv_stride] : kv_len;
     if (causal && i + offset + 1 < h) h = i + offset + 1;
     if (right >= 0 && i + offset + right + 1 < h) h = i + offset + right + 1;
+    if (run_hi && run_hi[i] < h) h = run_hi[i];
     return h > 0 ? h : 0;
   }
   DIMATTN_HD Range row(int64_t i) const { return {lo(i), hi(i)}; }
   DIMATTN_HD bool allowed(int64_t i, int64_t j) const { return row(i).contains(j); }
 
   // Whether hi is nondecreasing over the rows i < q_len (every row has the
-  // plane's one length).
-  DIMATTN_HD bool monotone() const { return row_kv_len == nullptr || row_kv_stride == 0; }
+  // plane's one length, no segment runs); lo always is without runs.
+  DIMATTN_HD bool monotone() const { return (row_kv_len == nullptr || row_kv_stride == 0) && run_hi == nullptr; }
+  // The smallest and largest lo(i) over rows [r0, r1): where a block of
+  // rows starts reading, and from where all of them do. pre: r0 < r1.
+  DIMATTN_HD int64_t lo_min(int64_t r0, int64_t r1) const {
+    if (run_lo == nullptr) return lo(r0);
+    int64_t l = lo(r0);
+    for (int64_t i = r0 + 1; i < r1; ++i) {
+      const int64_t x = lo(i);
+      l = x < l ? x : l;
+    }
+    return l;
+  }
+  DIMATTN_HD int64_t lo_max(int64_t r0, int64_t r1) const {
+    if (run_lo == nullptr) return lo(r1 - 1);
+    int64_t l = lo(r0);
+    for (int64_t i = r0 + 1; i < r1; ++i) {
+      const int64_t x = lo(i);
+      l = x > l ? x : l;
+    }
+    return l;
+  }
   // The largest and smallest hi(i) over rows [r0, r1): where a block of rows
   // stops reading kv positions, and up to where all of them read (a tile
   // that ends there needs no per-row masking). pre: 0 <= r0 < r1 <= q_len.
@@ -155,8 +185,9 @@ struct EntryMask {
 
   // The rows [first, end) that may attend kv position j, clamped to [0,
   // q_len] (first >= end when none): exactly those that do, unless rows
-  // have their own lengths, which it ignores (then a superset: some of its
-  // rows may end before j). pre: 0 <= j < kv_len.
+  // have their own lengths or segment runs, which it ignores (then a
+  // superset: some of its rows may end before j or start after it).
+  // pre: 0 <= j < kv_len.
   DIMATTN_HD Range rows_reaching(int64_t j) const {
     const int64_t left = bounds.window_left, right = bounds.window_right;
     // hi(i) > j  <=>  i + offset + 1 > j (causal) and i + offset + right + 1 > j.
@@ -269,11 +300,16 @@ struct ScoreMod {
   }
   // Whether segments allow (i, j). pre: qseg set.
   DIMATTN_HD bool same_segment(int64_t i, int64_t j) const { return qseg[i * qseg_row] == kvseg[j * kvseg_col]; }
+  // Without segments: where a kernel bounds each row by its segment's kv run instead.
+  DIMATTN_HD ScoreMod without_segments() const {
+    ScoreMod m = *this;
+    m.qseg = m.kvseg = nullptr;
+    return m;
+  }
   // Without the bool mask and segments: the class of a block they allow entirely.
   DIMATTN_HD ScoreMod unmasked() const {
-    ScoreMod m = *this;
+    ScoreMod m = without_segments();
     m.mask = nullptr;
-    m.qseg = m.kvseg = nullptr;
     return m;
   }
   DIMATTN_HD bool capped() const { return cap > 0; }

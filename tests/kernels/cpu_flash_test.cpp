@@ -824,6 +824,45 @@ TEST(CpuFlash, SegmentsScrambled) {
   EXPECT_EQ(ran, 4);
 }
 
+// Segment ids in runs (each id's kv positions contiguous) bound each row to
+// its id's kv run (mask_tiles.h: MaskTiles::bounded) instead of a test per
+// element: runs in no order of their ids, of lengths 1, odd and long,
+// unequal between the query and kv sides, ids that the kv side lacks (rows
+// attending nothing) and runs that start and end inside tiles of both passes,
+// with GQA, kv lengths and dropout (the dual cases segments_* add windows
+// and every variant).
+TEST(CpuFlash, SegmentRunsInAnyOrder) {
+  int ran = 0;
+  for (ElementType t : {ElementType::float32, ElementType::bfloat16, ElementType::float64}) {
+    for (bool causal : {true, false}) {
+      Case c = base(std::string("segment runs ") + (causal ? "causal" : "cross"), t);
+      c.B = 2, c.H = 4, c.Hkv = 2, c.Tq = 333, c.Tk = causal ? 333 : 410, c.D = c.Dv = 32, c.causal = causal;
+      c.kv_lens = {c.Tk, c.Tk - 70};
+      if (causal) c.p = 0.1;
+      // Run d of a side: id first + (5 d + 3 b) mod count over 1 + (mul d)
+      // mod 97 positions, the last of its `count` runs to the end. Cross: the
+      // kv side holds ids 3..15 in another order and length, so that rows of
+      // ids 0..2 attend nothing.
+      auto runs = [&](int64_t n, int64_t b, int64_t first, int64_t count, int64_t mul) {
+        std::vector<int64_t> ids;
+        for (int64_t d = 0; static_cast<int64_t>(ids.size()) < n; ++d)
+          for (int64_t x = 0; (d == count - 1 || x < 1 + (mul * d) % 97) && static_cast<int64_t>(ids.size()) < n; ++x)
+            ids.push_back(first + (5 * d + 3 * b) % count);
+        return ids;
+      };
+      for (int64_t b = 0; b < c.B; ++b) {
+        const std::vector<int64_t> q = runs(c.Tq, b, 0, 11, 41);
+        const std::vector<int64_t> k = causal ? q : runs(c.Tk, b, 3, 13, 23);
+        c.qseg.insert(c.qseg.end(), q.begin(), q.end());
+        c.kseg.insert(c.kseg.end(), k.begin(), k.end());
+      }
+      check_case(c);
+      ++ran;
+    }
+  }
+  EXPECT_EQ(ran, 6);
+}
+
 TEST(CpuFlash, BroadcastDropout) {
   for (ElementType t : {ElementType::float32, ElementType::float64}) {
     Case c = base("broadcast dropout", t);

@@ -40,7 +40,7 @@ struct BackwardScratch {
   Arena<A> arena;
   Operands ops;
   A *lse2, *di, *dq, *dkacc, *dvacc, *s, *dpt, *x, *z, *th;
-  std::vector<int64_t> nv, kbeg;  // causal tile bounds, see backward_task
+  std::vector<int64_t> lb, nv, kbeg;  // a tile's row and column bounds, see backward_task
   BackwardScratch(const AttentionKernelParams& p, const BackwardPlan& plan)
       : dp(round_up(std::max<int64_t>(p.head_dim, 1), Simd<A>::W)),
         dvp(round_up(std::max<int64_t>(p.head_dim_v, 1), Simd<A>::W)),
@@ -60,6 +60,7 @@ struct BackwardScratch {
     x = arena.take(plan.bq * ldk);
     z = arena.take(plan.bq * ldk);
     th = arena.take(p.score.capped() ? plan.bq * ldk : 0);  // tanh of the capped scores
+    lb.resize(static_cast<size_t>(plan.bq));
     nv.resize(static_cast<size_t>(plan.bq));
     kbeg.resize(static_cast<size_t>(plan.bk));
   }
@@ -101,8 +102,10 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
   for (int64_t g = 0; g < G; ++g) {
     const int64_t h = hk * G + g;
     const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
-    const EntryMask mask = entry_mask_of(p, b, h);
-    const ScoreMod<A> masked = score_mod_of<A>(p.score, mask, b, h, p.heads);
+    // Segments in runs bound each row's range instead of a test per element (forward.h).
+    const EntryMask mask = tiles.bounded(entry_mask_of(p, b, h), b * p.heads + h);
+    const ScoreMod<A> mod_all = score_mod_of<A>(p.score, mask, b, h, p.heads);
+    const ScoreMod<A> masked = tiles.runs() ? mod_all.without_segments() : mod_all;
     const ScoreMod<A> unmasked = masked.unmasked();  // for the full blocks of the bool mask and segments
     // d(bias) of this head's plane: dS itself (bias adds to the score).
     A* const dbias = p.score.dbias_plane<A>(b * p.heads + h);
@@ -148,7 +151,8 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
         const int64_t it1 = std::min(i_end, mask.rows_reaching(j0 + n - 1).hi);
         for (int64_t i0 = it0; i0 < it1; i0 += plan.bq) {
           const int64_t mm = std::min(plan.bq, it1 - i0);
-          if (mask.hi_max(i0, i0 + mm) <= j0) continue;  // rows whose own kv lengths end before the tile
+          // Rows whose own kv lengths (or segment runs) end before the tile or start after it.
+          if (mask.hi_max(i0, i0 + mm) <= j0 || mask.lo_min(i0, i0 + mm) >= j0 + n) continue;
           const int64_t r0 = i0 - i_start;  // the block's first row in the task's copies
           const A* lse2 = w.lse2 + (i0 - i_start);
           const A* di = w.di + (i0 - i_start);
@@ -157,20 +161,23 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
           const TileClass cls = tiles.on() ? tiles.of(b * p.heads + h, i0, i0 + mm, j0) : TileClass::partial;
           if (cls == TileClass::empty) continue;
           const ScoreMod<A>& mod = cls == TileClass::full ? unmasked : masked;
-          // Causal diagonal tiles (and rows with their own kv lengths): row r
-          // attends the tile's first nv[r] positions, kv position c is
+          // Tiles that cross a row's limit (causal diagonal, per-row lengths,
+          // a window's left edge, segment runs): row r attends positions
+          // [lb[r], nv[r]) of the tile (nv[r] = 0: none), kv position c is
           // attended from local row kbeg[c] on at most.
-          const bool partial = mask.hi_min(i0, i0 + mm) < j0 + n;
+          const bool bounded = mask.hi_min(i0, i0 + mm) < j0 + n || mask.lo_max(i0, i0 + mm) > j0;
           const int64_t *nvs = nullptr, *kbeg = nullptr;
-          if (partial) {
-            for (int64_t r = 0; r < mm; ++r) w.nv[r] = std::clamp<int64_t>(mask.hi(i0 + r) - j0, 0, n);
+          if (bounded) {
+            for (int64_t r = 0; r < mm; ++r) {
+              const int64_t lr = std::clamp<int64_t>(mask.lo(i0 + r) - j0, 0, n);
+              const int64_t nr = std::clamp<int64_t>(mask.hi(i0 + r) - j0, 0, n);
+              w.lb[r] = lr, w.nv[r] = nr > lr ? nr : 0;
+            }
             for (int64_t c = 0; c < n; ++c) w.kbeg[c] = std::clamp<int64_t>(mask.rows_reaching(j0 + c).lo - i0, 0, mm);
             nvs = w.nv.data();
             kbeg = w.kbeg.data();
           }
-          // A window's left edge inside the tile: row r's positions start at lb(r).
-          const bool windowed = mask.lo(i0 + mm - 1) > j0;
-          auto lb = [&](int64_t r) { return windowed ? std::clamp<int64_t>(mask.lo(i0 + r) - j0, 0, n) : 0; };
+          auto lb = [&](int64_t r) { return bounded ? w.lb[r] : 0; };
 
           // P = exp(scale * Q K^T - lse), recomputed; 0 past each row's prefix.
           ops.scores(r0, mm, np, w.s, nvs);
@@ -183,7 +190,7 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
               prefetch_part(dq + (i0 + plan.bq) * dp, next_rows * dp * static_cast<int64_t>(sizeof(A)), r, mm);
             }
             A* srow = w.s + r * ldk;
-            const int64_t nv = partial ? nvs[r] : n, lr = lb(r);
+            const int64_t nv = bounded ? nvs[r] : n, lr = lb(r);
             if (nv <= lr || lse2[r] == -kInf) {
               fill(srow, np, A(0));
               continue;
@@ -206,7 +213,7 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
           const A* x = w.s;
           for (int64_t r = 0; r < mm; ++r) {
             using V = typename Simd<A>::V;
-            const int64_t nv = partial ? nvs[r] : n, npr = round_up(nv, W);
+            const int64_t nv = bounded ? nvs[r] : n, npr = round_up(nv, W);
             const A* prow = w.s + r * ldk;
             A* drow = w.dpt + r * ldk;
             if (drop.on) {

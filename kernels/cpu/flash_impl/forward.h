@@ -24,7 +24,7 @@ struct ForwardScratch {
   Operands ops;
   A *s, *o, *m, *l, *z;
   std::vector<int64_t> nv;  // per row: end of its valid positions in the current tile
-  std::vector<int64_t> lb;  // per row: start of them (windows)
+  std::vector<int64_t> lb;  // per row: start of them (windows, segment runs)
 
   static int64_t slots_for(const AttentionKernelParams& p, int64_t bq, int64_t bk, int64_t ldk, int64_t dvp) {
     // A kv head's tiles are read again only by its next query block or by
@@ -85,8 +85,10 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
   const int64_t D = p.head_dim, Dv = p.head_dim_v, dvp = w.dvp, ldk = w.ldk;
   using Operands = ForwardOperands<S, A>;
   Operands& ops = w.ops;
-  const EntryMask mask = entry_mask_of(p, b, h);
-  const ScoreMod<A> masked = score_mod_of<A>(p.score, mask, b, h, p.heads);
+  // Segments in runs bound each row's range instead of a test per element.
+  const EntryMask mask = tiles.bounded(entry_mask_of(p, b, h), b * p.heads + h);
+  const ScoreMod<A> mod_all = score_mod_of<A>(p.score, mask, b, h, p.heads);
+  const ScoreMod<A> masked = tiles.runs() ? mod_all.without_segments() : mod_all;
   const ScoreMod<A> unmasked = masked.unmasked();  // for the full tiles of the bool mask and segments
   const int64_t hk = h / p.group_size();
   const S* q = static_cast<const S*>(p.q) + b * p.q_strides.batch + h * p.q_strides.head;
@@ -104,7 +106,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
   for (int64_t i = std::max(r0, rv); i < r1; ++i) write_empty_row(i);
   if (r0 >= rv) return;
   const int64_t m = rv - r0;
-  // The block attends [lo(r0), hi_max(r0, rv)).
+  // The block attends [lo_min(r0, rv), hi_max(r0, rv)).
   const int64_t kv_end = mask.hi_max(r0, rv);
 
   // Scores in log2 units: exp(scale * q.k) = 2^(q' . k) with q' = q * scale * log2(e).
@@ -124,26 +126,27 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
   // empty v would be read past its end (found by fuzz_dot_attention).
   const bool direct = Operands::kDirect && m <= 4 && Dv > 0 && Dv % W == 0;
 
-  for (int64_t j0 = mask.lo(r0) / w.bk * w.bk; j0 < kv_end; j0 += w.bk) {
+  for (int64_t j0 = mask.lo_min(r0, rv) / w.bk * w.bk; j0 < kv_end; j0 += w.bk) {
     const int64_t n = std::min(w.bk, kv_end - j0), np = round_up(n, W);
     // The class of the block under the bool mask and segments: nothing allowed (skipped: no
     // products, no exponentials), everything (no per-element mask), or some.
     const TileClass cls = tiles.on() ? tiles.of(b * p.heads + h, r0, rv, j0) : TileClass::partial;
     if (cls == TileClass::empty) continue;
     const ScoreMod<A>& mod = cls == TileClass::full ? unmasked : masked;
-    // Rows attend a prefix of the tile; only tiles crossing a row's limit
-    // (causal diagonal, per-row lengths) mask, and there the products skip
-    // the blocks past every row's prefix.
-    const bool partial = mask.hi_min(r0, rv) < j0 + n;
-    const int64_t* nvs = nullptr;
-    if (partial) {
-      for (int64_t r = 0; r < m; ++r) w.nv[r] = std::clamp<int64_t>(mask.hi(r0 + r) - j0, 0, n);
-      nvs = w.nv.data();
+    // Row r attends positions [lb[r], nv[r]) of the tile. Only tiles that
+    // cross a row's limit (causal diagonal, per-row lengths, a window's left
+    // edge, a segment run's ends) bound rows, and there the products skip the
+    // blocks outside every row's range (rows with nothing here: [n, 0)).
+    const bool bounded = mask.hi_min(r0, rv) < j0 + n || mask.lo_max(r0, rv) > j0;
+    const int64_t *lbs = nullptr, *nvs = nullptr;
+    if (bounded) {
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t lb = std::clamp<int64_t>(mask.lo(r0 + r) - j0, 0, n);
+        const int64_t nv = std::clamp<int64_t>(mask.hi(r0 + r) - j0, 0, n);
+        w.lb[r] = nv > lb ? lb : n, w.nv[r] = nv > lb ? nv : 0;
+      }
+      lbs = w.lb.data(), nvs = w.nv.data();
     }
-    // A window's left edge inside the tile: row r's positions start at lb[r].
-    const bool windowed = mask.lo(rv - 1) > j0;
-    if (windowed)
-      for (int64_t r = 0; r < m; ++r) w.lb[r] = std::clamp<int64_t>(mask.lo(r0 + r) - j0, 0, n);
     typename Operands::VMat vmat;
     if constexpr (Operands::kDirect) {
       if (direct) {
@@ -153,7 +156,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
     }
     if (!direct) {
       const int64_t slot = w.tile(k, krs, v, vrs, Dv, mask.kv_len, b, hk, j0 / w.bk);
-      ops.scores(slot, m, np, w.s, nvs);
+      ops.scores(slot, m, np, w.s, lbs, nvs);
       vmat = ops.v_tile(slot);
     }
 
@@ -165,7 +168,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
     const int64_t next = !direct && j0 + w.bk < kv_end ? w.ready(j0 / w.bk + 1) : -1;
     // Row r's weights in srow (its scores on entry), zero up to np past its positions.
     auto row_weights = [&](int64_t r, A* srow) {
-      const int64_t nv = partial ? nvs[r] : n, lb = windowed ? w.lb[r] : 0;
+      const int64_t nv = bounded ? nvs[r] : n, lb = bounded ? w.lb[r] : 0;
       if (nv <= lb) {  // nothing to attend here: zero weights, state unchanged
         fill(srow, np, A(0));
         return;
@@ -214,7 +217,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
       row_weights(r, srow);
       ops.weights_ready(r, srow, np);
     }
-    ops.add_pv(m, n, w.s, vmat, w.o, dvp, nvs);
+    ops.add_pv(m, n, w.s, vmat, w.o, dvp, lbs, nvs);
   }
 
   for (int64_t r = 0; r < m; ++r) {

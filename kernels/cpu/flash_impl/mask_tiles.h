@@ -91,10 +91,25 @@ class MaskTiles {
         for (int64_t tile = 0; tile < tiles_; ++tile)
           kranges_.push_back(id_range(ks.plane<int64_t>(first) + tile * bk * ks.col_stride,
                                       std::min(bk, p.seqlen_k - tile * bk), ks.col_stride));
+      find_runs(p, qf, kf);
     }
   }
 
   bool on() const { return !bits_.empty() || !qranges_.empty(); }
+
+  // Whether every kv plane's segment ids are runs (each id's positions one
+  // contiguous range, as in packed sequences and documents): then each row
+  // attends, of the kv positions, only its id's run, which bounded() adds to
+  // its mask, and no element needs the per-element id test.
+  bool runs() const { return !run_lo_.empty(); }
+  // m (the mask of plane bh) with each row bounded to its id's kv run when runs().
+  EntryMask bounded(EntryMask m, int64_t bh) const {
+    if (!runs()) return m;
+    const int64_t at = pair_of_[static_cast<size_t>(bh)] * seqlen_q_;
+    m.run_lo = run_lo_.data() + at;
+    m.run_hi = run_hi_.data() + at;
+    return m;
+  }
 
   // The class of rows [i0, i1) by kv positions [j0, j0 + bk) (clipped to the
   // call) of plane bh. pre: on(), j0 % bk == 0, 0 <= i0 < i1 <= seqlen_q.
@@ -155,10 +170,51 @@ class MaskTiles {
     return static_cast<uint8_t>((allows ? kTileAllows : 0) | (forbids ? kTileForbids : 0));
   }
 
-  int64_t bk_ = 1, groups_ = 0, tiles_ = 0;
+  // The kv run [lo, hi) of each id of the kv planes (firsts kf), and of each
+  // row of each (query plane, kv plane) pair in use its id's run ([0, 0)
+  // when the kv plane lacks the id): run_lo_, run_hi_. Nothing when some kv
+  // plane repeats an id after another one (ids not in runs).
+  void find_runs(const AttentionKernelParams& p, const std::vector<int64_t>& qf, const std::vector<int64_t>& kf) {
+    const ScorePlanes &qs = p.score.query_segments, &ks = p.score.kv_segments;
+    struct Run {
+      int64_t id, lo, hi;
+    };
+    std::vector<std::vector<Run>> runs(kf.size());  // per kv plane, sorted by id
+    for (size_t k = 0; k < kf.size(); ++k) {
+      const int64_t* ids = ks.plane<int64_t>(kf[k]);
+      for (int64_t j = 0; j < p.seqlen_k; ++j) {
+        const int64_t id = ids[j * ks.col_stride];
+        if (runs[k].empty() || runs[k].back().id != id) runs[k].push_back({id, j, j + 1});
+        else runs[k].back().hi = j + 1;
+      }
+      std::sort(runs[k].begin(), runs[k].end(), [](const Run& a, const Run& b) { return a.id < b.id; });
+      for (size_t r = 1; r < runs[k].size(); ++r)
+        if (runs[k][r].id == runs[k][r - 1].id) return;  // an id in two runs
+    }
+    seqlen_q_ = p.seqlen_q;
+    // The (query plane, kv plane) pairs in use, told apart as distinct_planes does.
+    std::vector<int64_t> pair_key(qplane_of_.size());
+    for (size_t bh = 0; bh < pair_key.size(); ++bh)
+      pair_key[bh] = qplane_of_[bh] * static_cast<int64_t>(kf.size()) + kplane_of_[bh];
+    for (int64_t bh : distinct_planes(pair_key.data(), static_cast<int64_t>(pair_key.size()), pair_of_)) {
+      const std::vector<Run>& kr = runs[static_cast<size_t>(kplane_of_[static_cast<size_t>(bh)])];
+      const int64_t* ids = qs.plane<int64_t>(qf[static_cast<size_t>(qplane_of_[static_cast<size_t>(bh)])]);
+      for (int64_t i = 0; i < p.seqlen_q; ++i) {
+        const int64_t id = ids[i * qs.row_stride];
+        const auto r = std::lower_bound(kr.begin(), kr.end(), id, [](const Run& a, int64_t x) { return a.id < x; });
+        const bool has = r != kr.end() && r->id == id;
+        run_lo_.push_back(has ? r->lo : 0);
+        run_hi_.push_back(has ? r->hi : 0);
+      }
+    }
+  }
+
+  int64_t bk_ = 1, groups_ = 0, tiles_ = 0, seqlen_q_ = 0;
   std::vector<int64_t> plane_of_;  // per bh: its distinct plane of the mask
   std::vector<uint8_t> bits_;      // [plane][row group][kv tile]: TileBits
   std::vector<int64_t> qplane_of_, kplane_of_;  // per bh: its distinct plane of query and kv ids
   std::vector<IdRange> qranges_;                // [query plane][row group]
   std::vector<IdRange> kranges_;                // [kv plane][kv tile]
+  std::vector<int64_t> pair_of_;                // per bh: its (query plane, kv plane) pair of the runs
+  std::vector<int64_t> run_lo_, run_hi_;        // [pair][query row]: the kv run of the row's id
 };

@@ -76,6 +76,9 @@ struct Ragged {
   const int64_t* cols = nullptr;     // row i needs C[i][0 : cols[i]] only (other columns: unspecified)
   const int64_t* k_begin = nullptr;  // A(i, k) = 0 for k < k_begin[i]
   const int64_t* k_end = nullptr;    // A(i, k) = 0 for k >= k_end[i]
+  // Row i needs C[i][cols_begin[i] :] only (other columns: unspecified; for
+  // products that set C, not those that add to it).
+  const int64_t* cols_begin = nullptr;
 };
 
 // The B operand: element (k, j) at p[(j / P) * panel + k * ld + j % P] with
@@ -112,6 +115,7 @@ void gemm(int64_t m, int64_t n, int64_t kdim, const U* a, int64_t lda, const BMa
     // The block's rows' widest bounds (nondecreasing ones: its first and last row's).
     auto most = [&](const int64_t* x) { return *std::max_element(x + i, x + i + rows); };
     if (rg.cols && j >= most(rg.cols)) return;
+    if (rg.cols_begin && j + NV * Simd<T>::W <= *std::min_element(rg.cols_begin + i, rg.cols_begin + i + rows)) return;
     const int64_t kb = rg.k_begin ? std::min(*std::min_element(rg.k_begin + i, rg.k_begin + i + rows) / K, kdim) : 0;
     const int64_t ke = rg.k_end ? std::min((most(rg.k_end) + K - 1) / K, kdim) : kdim;
     if (kAccumulate && ke <= kb) return;

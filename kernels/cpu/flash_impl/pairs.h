@@ -194,17 +194,17 @@ struct ForwardOperands<uint16_t, float> {
     prefetch_part(kt + slot * kslot, kslot * 4, part, parts);
     prefetch_part(vs + slot * vslot, vslot * 4, part, parts);
   }
-  void scores(int64_t slot, int64_t m, int64_t np, float* s, const int64_t* nvs) const {
+  void scores(int64_t slot, int64_t m, int64_t np, float* s, const int64_t* lbs, const int64_t* nvs) const {
     gemm_set(m, np, ldq / 2, as_pairs(q), ldq / 2, panel_major(kt + slot * kslot, ldq / 2), s, ldk,
-             Ragged{nvs, nullptr, nullptr});
+             Ragged{nvs, nullptr, nullptr, lbs});
   }
   VMat v_tile(int64_t slot) const { return panel_major(vs + slot * vslot, (bk + 1) / 2); }
   // Each row rounded as soon as it is final, while it is in L1.
   void weights_ready(int64_t r, const float* w, int64_t np) { round_rows(w, ldk, 1, np, pw + r * ldk, ldk); }
   void add_pv(int64_t m, int64_t n, float* /*w: rounded in pw*/, const VMat& v, float* o, int64_t dvp,
-              const int64_t* nvs) {
+              const int64_t* lbs, const int64_t* nvs) {
     // (n + 1) / 2 pairs: the tile's v holds no more (w is 0 past n).
-    gemm_add(m, dvp, (n + 1) / 2, as_pairs(pw), ldk / 2, v, o, dvp, Ragged{nullptr, nullptr, nvs});
+    gemm_add(m, dvp, (n + 1) / 2, as_pairs(pw), ldk / 2, v, o, dvp, Ragged{nullptr, lbs, nvs});
   }
 };
 

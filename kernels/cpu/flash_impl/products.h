@@ -56,17 +56,17 @@ struct ForwardOperands {
     prefetch_part(vs + slot * vslot, vslot * static_cast<int64_t>(sizeof(A)), part, parts);
   }
   // s[m x np] = the scores of the block against tile slot (times score_mul():
-  // log2 units); row r is needed up to nvs[r] only (nullptr: all).
-  void scores(int64_t slot, int64_t m, int64_t np, A* s, const int64_t* nvs) const {
-    gemm_set(m, np, D, q, D, panel_major(kt + slot * kslot, D), s, ldk, Ragged{nvs, nullptr, nullptr});
+  // log2 units); row r is needed in [lbs[r], nvs[r]) only (nullptr: all).
+  void scores(int64_t slot, int64_t m, int64_t np, A* s, const int64_t* lbs, const int64_t* nvs) const {
+    gemm_set(m, np, D, q, D, panel_major(kt + slot * kslot, D), s, ldk, Ragged{nvs, nullptr, nullptr, lbs});
   }
   VMat v_tile(int64_t slot) const { return panel_major(vs + slot * vslot, bk); }
   // Row r of the weights is final (w[0, np)), while it is in L1.
   void weights_ready(int64_t /*r*/, const A* /*w*/, int64_t /*np*/) {}
-  // o[m x dvp] += w[m x n] v, row r of w holding weights up to nvs[r] (nullptr:
-  // n) and zeros after them up to whole vectors.
-  void add_pv(int64_t m, int64_t n, A* w, const VMat& v, A* o, int64_t dvp, const int64_t* nvs) {
-    gemm_add(m, dvp, n, w, ldk, v, o, dvp, Ragged{nullptr, nullptr, nvs});
+  // o[m x dvp] += w[m x n] v, row r of w holding weights in [lbs[r], nvs[r])
+  // (nullptr: [0, n)) and zeros around them up to whole vectors.
+  void add_pv(int64_t m, int64_t n, A* w, const VMat& v, A* o, int64_t dvp, const int64_t* lbs, const int64_t* nvs) {
+    gemm_add(m, dvp, n, w, ldk, v, o, dvp, Ragged{nullptr, lbs, nvs});
   }
 };
 
