@@ -230,6 +230,10 @@ DIMATTN_HD EntryMask entry_mask(const int64_t* q_lengths, const int64_t* kv_leng
   return m;
 }
 
+// What the bool mask and segments allow of a block of (row, kv) cells:
+// nothing (kernels skip it), everything (no per-element test), or some.
+enum class TileClass { empty, full, partial };
+
 // ---------------------------------------------------------------------------
 // Scores: soft-capping, bias, ALiBi, the boolean mask and segments, and the sink logit.
 // The kernels carry them as one value (ScoreParams: AttentionKernelParams::score,
@@ -300,6 +304,10 @@ struct ScoreMod {
   }
   // Whether segments allow (i, j). pre: qseg set.
   DIMATTN_HD bool same_segment(int64_t i, int64_t j) const { return qseg[i * qseg_row] == kvseg[j * kvseg_col]; }
+  // Whether the bool mask and segments allow (i, j). pre: (i, j) is inside the call.
+  DIMATTN_HD bool permits(int64_t i, int64_t j) const {
+    return (mask == nullptr || mask[i * mask_row + j * mask_col] != 0) && (qseg == nullptr || same_segment(i, j));
+  }
   // Without segments: where a kernel bounds each row by its segment's kv run instead.
   DIMATTN_HD ScoreMod without_segments() const {
     ScoreMod m = *this;
@@ -330,8 +338,7 @@ struct ScoreMod {
       const int64_t d = i + offset - j;
       x -= slope * static_cast<F>(d < 0 ? -d : d);
     }
-    if (mask != nullptr && mask[i * mask_row + j * mask_col] == 0) x = -static_cast<F>(INFINITY);
-    if (qseg != nullptr && !same_segment(i, j)) x = -static_cast<F>(INFINITY);
+    if (!permits(i, j)) x = -static_cast<F>(INFINITY);
     return x;
   }
   // d(capped score) / d(raw score) at an element whose apply() gave t:

@@ -31,14 +31,15 @@ constexpr int kBwdBlockM = 32;  // query rows per step of the backward loop
 // ldmatrix then fall on distinct bank groups.
 __host__ __device__ constexpr int padded(int cols) { return cols + 8; }
 
+// Past the tiles: block_class's flags (2 floats per warp).
 template <int D>
 constexpr int fwd_smem_bytes() {
-  return (kFwdBlockM + 2 * kFwdBlockN) * padded(D) * 2;
+  return (kFwdBlockM + 2 * kFwdBlockN) * padded(D) * 2 + 2 * kWarps * 4;
 }
 template <int D>
 constexpr int bwd_smem_bytes() {
   return (2 * kBwdBlockN + 2 * kBwdBlockM) * padded(D) * 2 + kBwdBlockM * padded(kBwdBlockN) * 2 +
-         2 * kBwdBlockM * 4;
+         2 * kBwdBlockM * 4 + 2 * kWarps * 4;
 }
 
 static_assert(kFwdBlockM == 16 * kWarps && kBwdBlockN == 16 * kWarps, "one 16-row mma tile per warp");
@@ -209,6 +210,35 @@ __device__ inline float quad_sum(float x) {
   return x + shfl_xor(x, 2);
 }
 
+// The class of a block of cells under the bool mask and segments, from
+// what each thread found in its share of them (some allowed, some
+// forbidden): OR over the warp's lanes, then over the warps through `flags`
+// (kFlagFloats floats of shared memory). Every thread of the block takes
+// part and gets the same class; it ends past a barrier, and `flags` may be
+// written again only past another one.
+constexpr int kFlagFloats = 2 * kWarps;
+__device__ inline TileClass block_class(bool allows, bool forbids, float* flags) {
+  float a = allows ? 1.f : 0.f, f = forbids ? 1.f : 0.f;
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) {
+    a = fmaxf(a, shfl_xor(a, m));
+    f = fmaxf(f, shfl_xor(f, m));
+  }
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) {
+    st_shared(flags + 2 * warp, a);
+    st_shared(flags + 2 * warp + 1, f);
+  }
+  block_sync();
+  a = f = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    a = fmaxf(a, ld_shared(flags + 2 * w));
+    f = fmaxf(f, ld_shared(flags + 2 * w + 1));
+  }
+  return a == 0.f ? TileClass::empty : f == 0.f ? TileClass::full : TileClass::partial;
+}
+
 // ---------------------------------------------------------------------------
 // Forward: grid (query blocks, heads, batch). Each warp keeps 16 query rows'
 // Q fragments, output accumulators and softmax statistics in registers and
@@ -221,6 +251,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
   T* sQ = reinterpret_cast<T*>(dynamic_smem());
   T* sK = sQ + BM * LD;
   T* sV = sK + BN * LD;
+  float* sFlags = reinterpret_cast<float*>(sV + BN * LD);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tig = lane & 3;
   const int b = blockIdx.z, h = blockIdx.y;
@@ -229,6 +260,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
   const int64_t m0 = int64_t{mb} * BM;
   const EntryMask mask = entry_mask_of(p, b, h);
   const ScoreMod<float> mod = score_mod_of<float>(p.score, mask, b, h, p.heads);
+  const ScoreMod<float> unmasked = mod.unmasked();  // for kv blocks the mask and segments allow entirely
   const int hk = h / p.group;
   const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
 
@@ -258,17 +290,13 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
   const float sink_weight = p.score.sinks.on() && tig == 0 ? 1.f : 0.f;
   float row_sum[2] = {sink_weight, sink_weight};
 
-  // Segments: the [min, max] of the block's query ids. A kv block whose ids'
-  // range is disjoint from it is skipped (no products, no exponentials; its
-  // copies still run, so that the pipeline's order stays as it is); the
-  // others check each element (ScoreMod::apply).
-  int64_t q_id_lo = 0, q_id_hi = -1;
-  if (mod.qseg != nullptr)
-    for (int64_t i = m0; i < rows_end; ++i) {
-      const int64_t id = mod.qseg[i * mod.qseg_row];
-      q_id_lo = i == m0 || id < q_id_lo ? id : q_id_lo;
-      q_id_hi = i == m0 || id > q_id_hi ? id : q_id_hi;
-    }
+  // The bool mask and segments classify each kv block (block_class over the
+  // cells each thread would mask, those inside its rows' ranges): one they
+  // forbid entirely is skipped (no products, no exponentials; its copies
+  // still run, so that the pipeline's order stays as it is), one they allow
+  // entirely runs without the per-element test, the others test each
+  // element (ScoreMod::apply).
+  const bool classify = mod.mask != nullptr || mod.qseg != nullptr;
 
   if (n_blocks > nb_begin) {
     const int64_t nb0 = int64_t{nb_begin} * BN;
@@ -289,14 +317,21 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) load_a(qf[kk], sQ, LD, warp * 16, kk * 16, lane);
       }
-      if (mod.qseg != nullptr) {  // every thread reads the same ids: the branch is uniform
-        int64_t lo = q_id_hi + 1, hi = q_id_lo - 1;  // the kv ids' range, empty so far
-        for (int64_t j = n0; j < min64(n0 + BN, n_end); ++j) {
-          const int64_t id = mod.kvseg[j * mod.kvseg_col];
-          lo = j == n0 || id < lo ? id : lo;
-          hi = j == n0 || id > hi ? id : hi;
-        }
-        if (hi < q_id_lo || q_id_hi < lo) {
+      TileClass cls = TileClass::partial;
+      if (classify) {  // uniform: every thread takes part and gets the same class
+        bool allows = false, forbids = false;
+#pragma unroll
+        for (int t = 0; t < BN / 8; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int64_t j = n0 + t * 8 + tig * 2 + (e & 1);
+            if (!(e < 2 ? row0 : row1).contains(j)) continue;  // masked anyway (and maybe outside the call)
+            const bool ok = mod.permits(e < 2 ? i0 : i1, j);
+            allows |= ok;
+            forbids |= !ok;
+          }
+        cls = block_class(allows, forbids, sFlags);
+        if (cls == TileClass::empty) {
           cp_async_wait<0>();  // this block's V, unread
           block_sync();
           if (nb + 1 < n_blocks) {
@@ -307,6 +342,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
           continue;
         }
       }
+      const ScoreMod<float>& active = cls == TileClass::full ? unmasked : mod;
 
       // S = Q K^T for the warp's 16 rows x BN positions.
       float s[BN / 8][4];
@@ -332,7 +368,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
           const int64_t j = n0 + t * 8 + tig * 2 + (e & 1);
           float x = s[t][e] * p.scale_log2, th;
           const bool allowed = (e < 2 ? row0 : row1).contains(j);
-          if (mod.on() && allowed) x = mod.apply(x, e < 2 ? i0 : i1, j, th);  // reads bias and mask in range only
+          if (active.on() && allowed) x = active.apply(x, e < 2 ? i0 : i1, j, th);  // reads bias and mask in range only
           x = allowed ? x : -kInf;
           s[t][e] = x;
           mx[e >> 1] = fmaxf(mx[e >> 1], x);
@@ -467,6 +503,7 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
   T* sdS = sdO + BM * LD;  // dS [BM query rows][BN kv positions]
   float* sLse = reinterpret_cast<float*>(sdS + BM * LDS);
   float* sDsum = sLse + BM;
+  float* sFlags = sDsum + BM;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tig = lane & 3;
   const int b = blockIdx.z, hk = blockIdx.y;
@@ -498,6 +535,8 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
       const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
       const EntryMask mask = entry_mask_of(p, b, h);
       const ScoreMod<float> mod = score_mod_of<float>(p.score, mask, b, h, p.heads);
+      const ScoreMod<float> unmasked = mod.unmasked();  // for steps the mask and segments allow entirely
+      const bool classify = mod.mask != nullptr || mod.qseg != nullptr;
       // d(bias) of this head's plane: dS itself (bias adds to the score).
       float* const dbias = p.score.dbias_plane<float>(int64_t{b} * p.heads + h);
       const T* qh = static_cast<const T*>(p.q) + b * p.qs.batch + h * p.qs.head;
@@ -507,7 +546,26 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
       float* dqh = p.dq_accum + row_base * D;
 
       for (int64_t m0 = i_start / BM * BM; m0 < i_end; m0 += BM) {
-        block_sync();  // the previous step's reads of sQ, sdO, sdS, sLse are done
+        block_sync();  // the previous step's reads of sQ, sdO, sdS, sLse (and sFlags) are done
+        // The step's class under the bool mask and segments (the forward's):
+        // a step they forbid entirely adds nothing to any gradient.
+        TileClass cls = TileClass::partial;
+        if (classify) {  // uniform: every thread takes part and gets the same class
+          bool allows = false, forbids = false;
+#pragma unroll
+          for (int t = 0; t < BM / 8; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int64_t i = m0 + t * 8 + tig * 2 + (e & 1), j = e < 2 ? j0 : j1;
+              if (!mask.allowed(i, j)) continue;  // masked anyway (and maybe outside the call)
+              const bool ok = mod.permits(i, j);
+              allows |= ok;
+              forbids |= !ok;
+            }
+          cls = block_class(allows, forbids, sFlags);
+          if (cls == TileClass::empty) continue;
+        }
+        const ScoreMod<float>& active = cls == TileClass::full ? unmasked : mod;
         const int64_t rows = min64(int64_t{BM}, i_end - m0);
         load_tile<T, D>(sQ, qh + m0 * p.qs.row, p.qs.row, BM, rows);
         load_tile<T, D>(sdO, doh + m0 * p.dos.row, p.dos.row, BM, rows);
@@ -556,7 +614,7 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
             const int64_t i = m0 + c, j = e < 2 ? j0 : j1;
             const bool allowed = mask.allowed(i, j);
             float x = st[t][e] * p.scale_log2, th = 0.f;
-            if (mod.on() && allowed) x = mod.apply(x, i, j, th);
+            if (active.on() && allowed) x = active.apply(x, i, j, th);
             // lse = -inf: a row the mask (or a -inf bias) left no position has P = 0.
             const float lse2 = ld_shared(sLse + c);
             const float w = allowed && lse2 != -INFINITY ? exp2f(x - lse2) : 0.f;
@@ -568,7 +626,7 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
             st[t][e] = w * k;
             const float ds = w * (dpt[t][e] * z - ld_shared(sDsum + c));
             if (dbias && allowed) atomic_add(dbias + i * mod.bias_row + j * mod.bias_col, ds);
-            dpt[t][e] = ds * mod.dcapped(th);
+            dpt[t][e] = ds * active.dcapped(th);
           }
 
         // dV += X^T dO and dK += dS^T Q (scaled at the end): A from the
@@ -638,6 +696,7 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
         }
       }
     }
+    cp_async_wait<0>();  // K and V, when the mask or segments left every step out
   }
 
   // dK (times the scale) and dV (times 1 / (1 - p) under dropout) of the

@@ -78,6 +78,11 @@ std::vector<CudaKernelCase> cuda_kernel_cases() {
         add({.name = "bias_softcap_dropout", .p = 0.25, .softcap = 2.0, .bias = true});
         add({.name = "mask", .kv_lens = {130, 90}, .mask = true});
       }
+      // Documents as a bool mask: its blocks classified (empty, full, partial).
+      add({.name = "mask_docs_causal_gqa_dropout", .H = 8, .Hkv = 2, .Tq = 200, .Tk = 200, .causal = true,
+           .kv_lens = {200, 170}, .p = 0.2, .mask = true, .mask_docs = 70});
+      if (D == 64)
+        add({.name = "mask_docs_cross_softcap", .Tq = 150, .Tk = 260, .softcap = 2.0, .mask = true, .mask_docs = 90});
     }
   // float16 with p near 1: 1 / (1 - p) = 1e5 times a weight near 1 overflows
   // float16 unless the rescale is applied in float32 at the end.
@@ -334,8 +339,13 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
   std::vector<uint8_t> mask(c.mask ? B * Tq * Tk : 0);
   std::uniform_real_distribution<double> uniform;
   for (uint8_t& x : mask) x = uniform(rng) >= 0.25;
-  for (int64_t i = 3; i < (c.mask ? Tq : 0); i += 7)  // rows the mask leaves no position (batch entry 0)
+  for (int64_t i = 3; i < (c.mask && c.mask_docs == 0 ? Tq : 0); i += 7)  // rows the mask leaves no position (batch entry 0)
     std::fill(mask.begin() + i * Tk, mask.begin() + (i + 1) * Tk, uint8_t{0});
+  if (c.mask_docs > 0)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < Tq; ++i)
+        for (int64_t j = 0; j < Tk; ++j)
+          mask[(b * Tq + i) * Tk + j] = (i + 13 * b) / c.mask_docs == (j + 13 * b) / c.mask_docs;
   // Segment ids [B, Tq] and [B, Tk]: document d of entry b has 20 + (37 d + 29 b) % 40 positions.
   std::vector<int64_t> qseg, kseg, qseg_offsets(B * H), kseg_offsets(B * H);
   for (int64_t b = 0; b < (c.segments ? B : 0); ++b)

@@ -47,6 +47,11 @@ struct CudaKernelCase {
   // (true with probability 3/4; every 7th row of entry 0 all false), read
   // through per-(b, h) plane offsets.
   bool bias = false, mask = false;
+  // > 0: the mask (mask on) is documents of this many positions instead,
+  // (i, j) allowed iff (i + 13 b) / n == (j + 13 b) / n: blocks of it that
+  // forbid everything (skipped), allow everything (no per-element test) and
+  // some, in the forward's and the backward's blocks.
+  int64_t mask_docs = 0;
   // Segment ids (attention_params.h's query_segments, kv_segments) per batch
   // entry, shared by the heads: documents of irregular lengths (about 40
   // positions, shifted per entry), over [batch, Tq] and [batch, Tk].

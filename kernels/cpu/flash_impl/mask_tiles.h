@@ -15,7 +15,6 @@ enum TileBits : uint8_t {
   kTileAllows = 1,   // some element may attend
   kTileForbids = 2,  // some element may not
 };
-enum class TileClass { empty, full, partial };
 
 // The distinct planes of a plane table (ScorePlanes::offsets over bhs flat
 // (b, h) indices), told apart by their offsets: the first bh of each, in
