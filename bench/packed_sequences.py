@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Packed sequences: dimattn.varlen_attention over several sequences laid end to end
-against one call over the packed length T with segment ids (query_segments /
-kv_segments: each token its sequence's index), the same sequences run one by one at
-their own lengths (summed), and one causal call over the whole packed length T (what
-a document-unaware model pays).
+against dimattn.packed_attention with the keys and values packed apart (the
+sequences in reverse order: another packing than the queries'), the same sequences
+run one by one at their own lengths (summed), and one causal call over the whole
+packed length T (what a document-unaware model pays).
 
     PYTHONPATH=python DIMATTN_TORCH_OPS=build/python/libdimattn_torch_ops.so \\
         ~/.cache/dimattn/venv/bin/python bench/packed_sequences.py [--quick]
@@ -11,7 +11,7 @@ a document-unaware model pays).
 Per sequence split and dtype: median wall time over interleaved rounds (every variant
 once per round, so load drifts reach all alike; --cpu-time: the process's CPU time) of forward, and of forward + backward
 (the gradients of q, k, v), causal, [tokens, heads, D] operands. Ratios: packed over
-one-by-one (goal ≤ 1.1x, issue 28), segments over one-by-one, and packed over full
+one-by-one (goal ≤ 1.1x, issue 28), apart over one-by-one, and packed over full
 causal against the attended area Σ lᵢ² / T².
 """
 import argparse
@@ -63,10 +63,10 @@ def main():
     print(f"bench/packed_sequences.py T={a.T} heads={a.heads} D={a.D}, {a.threads} threads, {'CPU' if a.cpu_time else 'wall'} time, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {os.getloadavg()}")
     print(f"CPU flags: {' '.join(flags)}\n")
-    print("| dtype | sequences | attended Σl²/T² | fwd ms packed / segments / one by one / full causal "
-          "| packed, segments / one by one | packed / full, area "
-          "| fwd+bwd ms packed / segments / one by one / full causal | packed, segments / one by one "
-          "| packed / full, area | max |Δout| vs one by one: packed, segments |")
+    print("| dtype | sequences | attended Σl²/T² | fwd ms packed / apart / one by one / full causal "
+          "| packed, apart / one by one | packed / full, area "
+          "| fwd+bwd ms packed / apart / one by one / full causal | packed, apart / one by one "
+          "| packed / full, area | max |Δout| vs one by one: packed, apart |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for dtype in a.dtype.split(","):
         dt = getattr(torch, dtype)
@@ -93,19 +93,24 @@ def main():
                 x = [da.Tensor(z[None], [b, t, h, f]) for z in (q, k, v)]
                 return da.dot_attention(*x, key_dim=f, axis=t, causal_query_spatial_dim=t).raw[0]
 
-            ids = da.Tensor(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)), [t])
+            # The keys and values packed apart: the sequences in reverse order.
+            lens = torch.tensor(lengths)
+            order = list(reversed(range(len(lengths))))
+            perm = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in order])
+            k2, v2 = (z.detach()[perm].requires_grad_() for z in (k, v))
+            starts_apart = torch.zeros(len(lengths), dtype=torch.int64)
+            starts_apart[order] = torch.cat([torch.zeros(1, dtype=torch.int64), lens[order].cumsum(0)[:-1]])
 
-            def segments():
-                x = [da.Tensor(z, [t, h, f]) for z in (q, k, v)]
-                return da.dot_attention(*x, key_dim=f, axis=t, causal_query_spatial_dim=t, query_segments=ids,
-                                        kv_segments=ids).raw_in([t, h, f])
+            def apart():
+                return da.packed_attention(q, k2, v2, cu[:-1], lens, starts_apart, lens, longest, longest, causal=True)
 
             def backward(fn):
-                return lambda: torch.autograd.grad(fn().float().sum(), (q, k, v))
+                inputs = (q, k2, v2) if fn is apart else (q, k, v)
+                return lambda: torch.autograd.grad(fn().float().sum(), inputs)
 
             want = one_by_one().float()
-            diffs = [(fn().float() - want).abs().max().item() for fn in (packed, segments)]
-            variants = {"packed": packed, "segments": segments, "one": one_by_one, "full": full}
+            diffs = [(fn().float() - want).abs().max().item() for fn in (packed, apart)]
+            variants = {"packed": packed, "apart": apart, "one": one_by_one, "full": full}
             fwd = {key: [] for key in variants}
             both = {key: [] for key in variants}
             for key, fn in variants.items():  # warm-up
@@ -119,8 +124,8 @@ def main():
             cells = []
             for m in (fwd, both):
                 ms = {key: statistics.median(x) * 1e3 for key, x in m.items()}
-                cells += [f"{ms['packed']:.1f} / {ms['segments']:.1f} / {ms['one']:.1f} / {ms['full']:.1f}",
-                          f"{ms['packed'] / ms['one']:.2f}x, {ms['segments'] / ms['one']:.2f}x",
+                cells += [f"{ms['packed']:.1f} / {ms['apart']:.1f} / {ms['one']:.1f} / {ms['full']:.1f}",
+                          f"{ms['packed'] / ms['one']:.2f}x, {ms['apart'] / ms['one']:.2f}x",
                           f"{ms['packed'] / ms['full']:.2f}, {area:.2f}"]
             print(f"| {dtype} | {name} | {area:.3f} | " + " | ".join(cells) + f" | {diffs[0]:.1e}, {diffs[1]:.1e} |")
     print(f"\nload after: {os.getloadavg()}")

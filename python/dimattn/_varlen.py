@@ -3,16 +3,13 @@
 A ``[tokens, heads, D]`` tensor holds several sequences back to back; each
 attends only within its own sequence. The raw entry points take the sequence
 boundaries as FlashAttention (``cu_seqlens``) or RETURNN's packed backend
-(starts and lengths, gaps allowed) give them. Two ways to run it on dot_attention
-(docs/python.md, "Packed sequences"):
-
-- query and keys share one packing (self-attention): one call over the token dim
-  as it is, no copy, each token's sequence as its segment id (gap tokens match
-  nothing); the kernel skips the blocks between sequences.
-- otherwise (cross-attention, other packings): calls over ``[seq, time]`` with
-  ``time`` dynamic (each sequence its own length), one per power-of-two length
-  class; the tokens are gathered into that padded layout and the output scattered
-  back, and the kernel skips past each sequence's length.
+(starts and lengths, gaps allowed) give them. Either runs as one dot_attention
+call over the token dims as they are, no copy (docs/python.md, "Packed
+sequences"): each token's sequence is its segment id (gap tokens match nothing),
+and causal masking is causal over the token positions when query and keys share
+one packing, else each query row's kv end (its sequence's kv start plus its
+causal prefix) as a per-row kv length. The kernel bounds each row to its
+sequence's run of kv positions and skips the blocks between sequences.
 """
 from __future__ import annotations
 
@@ -67,14 +64,10 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 class PackedCall:
-    """A packed call as dot_attention calls (``parts``: named operands and keyword
-    arguments; none when no token attends) and their outputs put back in the packed
-    rows (``run``). One part over the token dim itself with segment ids when query
-    and keys share their packing; else one per bucket of sequences of similar length:
-    a bucket holds the sequences whose longer side falls in one power-of-two range,
-    padded to its longest (each sequence is padded by less than its own length, so
-    the copies stay within twice the tokens whatever the spread of lengths).
-    dimattn.returnn asks the selection about the first part before it runs."""
+    """A packed call as a dot_attention call (``parts``: its named operands and
+    keyword arguments, one part; none when no token attends) and its output as the
+    packed rows (``run``). dimattn.returnn asks the selection about the part before
+    it runs."""
 
     def __init__(self, query, key, value, starts_q, lens_q, starts_k, lens_k, max_len_q, max_len_k, *, causal,
                  dropout_p, scale, op):
@@ -88,104 +81,66 @@ class PackedCall:
         self.parts = []
         if query.shape[0] == 0 or n == 0 or key.shape[0] == 0:
             return
-        lq, lk = lens_q.to(torch.int64), lens_k.to(torch.int64)
-        if query.shape[0] == key.shape[0] and torch.equal(lq, lk) and torch.equal(starts_q.to(torch.int64),
-                                                                                   starts_k.to(torch.int64)):
-            self.parts.append(_InPlace(query, key, value, starts_q, lq, causal=causal, dropout_p=dropout_p,
-                                       scale=scale))
-            return
-        longer = torch.maximum(lq, lk)
-        size_class = torch.where(longer > 0, torch.ceil(torch.log2(longer.clamp(min=1).double())), -1).long()
-        for c in torch.unique(size_class).tolist():
-            if c < 0 and (lq[size_class == c] == 0).all():
-                continue  # sequences without queries: no rows to compute
-            pick = (size_class == c).nonzero().flatten()
-            self.parts.append(_Bucket(query, key, value, starts_q[pick], lq[pick], starts_k[pick], lk[pick],
-                                        causal=causal, dropout_p=dropout_p, scale=scale))
+        self.parts.append(_InPlace(query, key, value, starts_q.to(torch.int64), lens_q.to(torch.int64),
+                                   starts_k.to(torch.int64), lens_k.to(torch.int64), causal=causal,
+                                   dropout_p=dropout_p, scale=scale))
 
     def run(self) -> torch.Tensor:
-        """The packed ``[tokens_q, heads, Dv]`` output: the buckets' rows scattered
-        back, 0 in gap rows (all 0, still on the autograd graph, when nothing attends)."""
+        """The packed ``[tokens_q, heads, Dv]`` output, 0 in gap rows (all 0, still on
+        the autograd graph, when nothing attends)."""
         query, key, value = self.inputs
-        result = query.new_zeros(self.shape)
         if not self.parts:
-            return result + 0 * (query.sum() + key.sum() + value.sum())
-        outs = [b.rows(dot_attention(b.query, b.keys, b.values, **b.kwargs)) for b in self.parts]
-        if self.parts[0].tokens is None:  # in place: every packed row, in order
-            return outs[0]
-        tokens = torch.cat([b.tokens for b in self.parts])
-        return result.index_copy(0, tokens, torch.cat(outs))
+            return query.new_zeros(self.shape) + 0 * (query.sum() + key.sum() + value.sum())
+        part = self.parts[0]
+        return part.rows(dot_attention(part.query, part.keys, part.values, **part.kwargs))
+
+
+def _token_ids(starts: torch.Tensor, lens: torch.Tensor, tokens: int, gap: int):
+    """Each token's sequence (``gap`` between sequences), and per real token its
+    sequence and its position in it, in order of sequences."""
+    seq = torch.arange(lens.numel(), device=starts.device).repeat_interleave(lens)
+    first = torch.cumsum(lens, 0) - lens  # each sequence's first token among the real ones
+    local = torch.arange(seq.numel(), device=starts.device) - first.repeat_interleave(lens)
+    rows = starts.repeat_interleave(lens) + local
+    ids = torch.full((tokens,), gap, dtype=torch.int64, device=starts.device).index_put((rows,), seq)
+    return ids, rows, seq, local
 
 
 class _InPlace:
-    """Query and keys of one packing as they are, over the token dim, each token's
-    sequence its segment id (gap tokens: -1 on the query side, -2 on the kv side, so
-    they attend and are attended by nothing); causal over token positions is causal
-    within each sequence."""
+    """Query and keys over their token dims as they are, each token's sequence its
+    segment id (gap tokens: -1 on the query side, -2 on the kv side, so that they
+    attend and are attended by nothing). Causal: with one packing, causal over the
+    token positions is causal within each sequence; otherwise query token i of
+    sequence b at position p attends kv tokens before starts_k[b] + p + lens_k[b] -
+    lens_q[b] + 1, its kv dim's length per query row."""
 
-    tokens = None
-
-    def __init__(self, query, key, value, starts, lens, *, causal, dropout_p, scale):
-        T, H, Hkv, Dv = query.shape[0], query.shape[1], key.shape[1], value.shape[2]
-        tok, heads, group = Dim("tokens", T), Dim("kv_heads", Hkv), Dim("group", H // Hkv)
+    def __init__(self, query, key, value, starts_q, lq, starts_k, lk, *, causal, dropout_p, scale):
+        Tq, Tk, H, Hkv, Dv = query.shape[0], key.shape[0], query.shape[1], key.shape[1], value.shape[2]
+        tq, heads, group = Dim("tokens", Tq), Dim("kv_heads", Hkv), Dim("group", H // Hkv)
         feat, vfeat = Dim("feat", query.shape[2]), Dim("vfeat", Dv)
-        seq = torch.arange(lens.numel(), device=query.device).repeat_interleave(lens)
-        first = torch.cumsum(lens, 0) - lens  # each sequence's first row among the real rows
-        rows = starts.to(torch.int64).repeat_interleave(lens) + torch.arange(seq.numel(), device=query.device) \
-            - first.repeat_interleave(lens)
-        ids_q = torch.full((T,), -1, dtype=torch.int64, device=query.device).index_put((rows,), seq)
-        ids_k = torch.full((T,), -2, dtype=torch.int64, device=query.device).index_put((rows,), seq)
-        self.query = Tensor(query.reshape(T, Hkv, H // Hkv, query.shape[2]), [tok, heads, group, feat])
-        self.keys = Tensor(key, [tok, heads, feat])
-        self.values = Tensor(value, [tok, heads, vfeat])
-        self.kwargs = dict(key_dim=feat, axis=tok, att_dropout=dropout_p, causal_query_spatial_dim=tok if causal
-                           else None, scale=scale, train=dropout_p > 0, query_segments=Tensor(ids_q, [tok]),
-                           kv_segments=Tensor(ids_k, [tok]))
-        self._out_dims = [tok, heads, group, vfeat]
-        self._shape = (T, H, Dv)
+        ids_q, rows, seq, local = _token_ids(starts_q, lq, Tq, -1)
+        ids_k = _token_ids(starts_k, lk, Tk, -2)[0]
+        one_packing = Tq == Tk and torch.equal(lq, lk) and torch.equal(starts_q, starts_k)
+        causal_dim = tq if causal and one_packing else None
+        if one_packing:
+            tk = tq
+        elif causal:
+            end = torch.zeros(Tq, dtype=torch.int64, device=query.device)
+            end[rows] = (starts_k + lk - lq)[seq] + local + 1
+            tk = Dim.dynamic("tokens_kv", Tensor(end.clamp(min=0), [tq]))
+        else:
+            tk = Dim("tokens_kv", Tk)
+        self.query = Tensor(query.reshape(Tq, Hkv, H // Hkv, query.shape[2]), [tq, heads, group, feat])
+        self.keys = Tensor(key, [tk, heads, feat])
+        self.values = Tensor(value, [tk, heads, vfeat])
+        self.kwargs = dict(key_dim=feat, axis=tk, att_dropout=dropout_p, causal_query_spatial_dim=causal_dim,
+                           scale=scale, train=dropout_p > 0, query_segments=Tensor(ids_q, [tq]),
+                           kv_segments=Tensor(ids_k, [tk]))
+        self._out_dims = [tq, heads, group, vfeat]
+        self._shape = (Tq, H, Dv)
 
     def rows(self, out: Tensor) -> torch.Tensor:
         return out.raw_in(self._out_dims).reshape(self._shape)
-
-
-class _Bucket:
-    """Sequences padded to their longest as named operands, and the packed token of
-    each real query row (``tokens``)."""
-
-    def __init__(self, query, key, value, starts_q, lq, starts_k, lk, *, causal, dropout_p, scale):
-        n, H, Hkv, Dv = lq.numel(), query.shape[1], key.shape[1], value.shape[2]
-        max_q, max_k = int(lq.max()), int(lk.max())
-        seq, heads, group = Dim("seq", n), Dim("kv_heads", Hkv), Dim("group", H // Hkv)
-        feat, vfeat = Dim("feat", query.shape[2]), Dim("vfeat", Dv)
-        # Equal lengths: one time dim for both sides, self-attention over it.
-        shared = torch.equal(lq, lk)
-        tq = Dim.dynamic("time_q", Tensor(lq, [seq]))
-        tk = tq if shared else Dim.dynamic("time_kv", Tensor(lk, [seq]))
-        rows_q, valid_q = _padded_rows(starts_q, lq, max_q)
-        rows_k, _ = _padded_rows(starts_k, lk, max_k)
-        self.query = Tensor(query.reshape(-1, Hkv, H // Hkv, query.shape[2])[rows_q], [seq, tq, heads, group, feat])
-        self.keys = Tensor(key[rows_k], [seq, tk, heads, feat])
-        self.values = Tensor(value[rows_k], [seq, tk, heads, vfeat])
-        self.kwargs = dict(key_dim=feat, axis=tk, att_dropout=dropout_p, causal_query_spatial_dim=tq if causal else None,
-                           causal_offset=Tensor(lk - lq, [seq]) if causal and not shared else None, scale=scale,
-                           train=dropout_p > 0)
-        self._out_dims = [seq, tq, heads, group, vfeat]
-        self._shape = (H, Dv)
-        self.tokens = rows_q[valid_q]
-        self._rows = torch.arange(n * max_q, device=query.device).reshape(n, max_q)[valid_q]
-
-    def rows(self, out: Tensor) -> torch.Tensor:
-        """The output rows of the real queries, in the order of ``tokens``."""
-        return out.raw_in(self._out_dims).reshape(-1, *self._shape)[self._rows]
-
-
-def _padded_rows(starts: torch.Tensor, lens: torch.Tensor, max_len: int):
-    """The token of each (sequence, position) of the padded layout (token 0 where the
-    position is past the sequence's length: read, never attended) and which are real."""
-    pos = torch.arange(max_len, device=starts.device)
-    valid = pos[None, :] < lens[:, None]
-    rows = torch.where(valid, starts.to(torch.int64)[:, None] + pos[None, :], 0)
-    return rows, valid
 
 
 def _check_tokens(op: str, query, key, value) -> None:
