@@ -239,6 +239,27 @@ __device__ inline TileClass block_class(bool allows, bool forbids, float* flags)
   return a == 0.f ? TileClass::empty : f == 0.f ? TileClass::full : TileClass::partial;
 }
 
+// The class of a block of cells under the bool mask and segments (`mod`'s),
+// each thread testing the cells of its C fragment, (i, j) = at(t, e) for
+// tiles t < kTiles and elements e < 4, that the positional mask allows (the
+// others are masked anyway, and may lie outside the call); block_class votes.
+template <int kTiles, class At>
+__device__ inline TileClass fragment_class(const EntryMask& mask, const ScoreMod<float>& mod, At at, float* flags) {
+  bool allows = false, forbids = false;
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int64_t i, j;
+      at(t, e, i, j);
+      if (!mask.allowed(i, j)) continue;
+      const bool ok = mod.permits(i, j);
+      allows |= ok;
+      forbids |= !ok;
+    }
+  return block_class(allows, forbids, flags);
+}
+
 // ---------------------------------------------------------------------------
 // Forward: grid (query blocks, heads, batch). Each warp keeps 16 query rows'
 // Q fragments, output accumulators and softmax statistics in registers and
@@ -319,18 +340,9 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
       }
       TileClass cls = TileClass::partial;
       if (classify) {  // uniform: every thread takes part and gets the same class
-        bool allows = false, forbids = false;
-#pragma unroll
-        for (int t = 0; t < BN / 8; ++t)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int64_t j = n0 + t * 8 + tig * 2 + (e & 1);
-            if (!(e < 2 ? row0 : row1).contains(j)) continue;  // masked anyway (and maybe outside the call)
-            const bool ok = mod.permits(e < 2 ? i0 : i1, j);
-            allows |= ok;
-            forbids |= !ok;
-          }
-        cls = block_class(allows, forbids, sFlags);
+        cls = fragment_class<BN / 8>(mask, mod, [&](int t, int e, int64_t& i, int64_t& j) {
+          i = e < 2 ? i0 : i1, j = n0 + t * 8 + tig * 2 + (e & 1);
+        }, sFlags);
         if (cls == TileClass::empty) {
           cp_async_wait<0>();  // this block's V, unread
           block_sync();
@@ -551,18 +563,9 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const DeviceParams p
         // a step they forbid entirely adds nothing to any gradient.
         TileClass cls = TileClass::partial;
         if (classify) {  // uniform: every thread takes part and gets the same class
-          bool allows = false, forbids = false;
-#pragma unroll
-          for (int t = 0; t < BM / 8; ++t)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int64_t i = m0 + t * 8 + tig * 2 + (e & 1), j = e < 2 ? j0 : j1;
-              if (!mask.allowed(i, j)) continue;  // masked anyway (and maybe outside the call)
-              const bool ok = mod.permits(i, j);
-              allows |= ok;
-              forbids |= !ok;
-            }
-          cls = block_class(allows, forbids, sFlags);
+          cls = fragment_class<BM / 8>(mask, mod, [&](int t, int e, int64_t& i, int64_t& j) {
+            i = m0 + t * 8 + tig * 2 + (e & 1), j = e < 2 ? j0 : j1;
+          }, sFlags);
           if (cls == TileClass::empty) continue;
         }
         const ScoreMod<float>& active = cls == TileClass::full ? unmasked : mod;

@@ -104,10 +104,14 @@ class trace:
         self.capture_tensors = capture_tensors
         self.records: List[AttentionTrace] = []
 
+    def _scopes(self) -> list:
+        """The per-thread list of open traces this one joins (dimattn.returnn.trace: its own)."""
+        return state.traces
+
     def __enter__(self):
-        state.traces.append(self)
+        self._scopes().append(self)
         return self
 
     def __exit__(self, *exc):
-        state.traces.remove(self)
+        self._scopes().remove(self)
         return False

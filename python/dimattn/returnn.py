@@ -199,7 +199,7 @@ class _Traces(threading.local):
 _traces = _Traces()
 
 
-class trace:
+class trace(da.trace):
     """``with dimattn.returnn.trace() as t:`` records each routed call made inside (per
     thread) in ``t.records``, as dimattn.trace does, with RETURNN Tensors over RETURNN
     Dims: ``kernel``, ``output`` and, with ``capture_tensors`` (default; calls then run
@@ -208,17 +208,8 @@ class trace:
     named ``<axis>:kv``. Calls that run RETURNN's implementation are not recorded: trace
     those with RETURNN's own tools (force the reference path, docs/returnn.md)."""
 
-    def __init__(self, capture_tensors: bool = True):
-        self.capture_tensors = capture_tensors
-        self.records: List[da.AttentionTrace] = []
-
-    def __enter__(self):
-        _traces.active.append(self)
-        return self
-
-    def __exit__(self, *exc):
-        _traces.active.remove(self)
-        return False
+    def _scopes(self) -> list:
+        return _traces.active
 
 
 # --- one call --------------------------------------------------------------------------
