@@ -7,6 +7,7 @@
 #include <iostream>
 #include <limits>
 #include <random>
+#include <tuple>
 
 #include "common/philox.h"
 #include "cpu/flash_attention.h"
@@ -58,6 +59,9 @@ std::vector<CudaKernelCase> cuda_kernel_cases() {
            .p = 0.2, .segments = true});
       add({.name = "segments_cross_bias", .kv_lens = {130, 70}, .offsets = {30, -5}, .window_left = 60,
            .window_right = 10, .bias = true, .segments = true});
+      // Packed sequences of lengths 1, odd and long, and of kv length 0.
+      add({.name = "packed_sequences_causal_dropout", .H = 8, .Hkv = 2, .Tq = 300, .Tk = 300, .causal = true,
+           .p = 0.2, .segments = true, .packed = {1, 37, 130, 1, 5, 64}});
       // A block of a longer sequence (context parallelism): its causal offset
       // beyond its own extents, an odd first kv position for dropout's keys
       // (a pair of columns straddles two Philox counters), windows and ALiBi
@@ -346,12 +350,17 @@ void check_cuda_flash_case(const CudaKernelCase& c, CudaFlashRunner& runner) {
       for (int64_t i = 0; i < Tq; ++i)
         for (int64_t j = 0; j < Tk; ++j)
           mask[(b * Tq + i) * Tk + j] = (i + 13 * b) / c.mask_docs == (j + 13 * b) / c.mask_docs;
-  // Segment ids [B, Tq] and [B, Tk]: document d of entry b has 20 + (37 d + 29 b) % 40 positions.
+  // Segment ids [B, Tq] and [B, Tk]: document d of entry b has 20 + (37 d + 29 b) % 40 positions
+  // (or the case's packed lengths).
   std::vector<int64_t> qseg, kseg, qseg_offsets(B * H), kseg_offsets(B * H);
+  auto doc_len = [&](int64_t d, int64_t b, bool kv) {
+    if (c.packed.empty()) return 20 + (37 * d + 29 * b) % 40;
+    return kv && d % 5 == 2 ? int64_t{0} : c.packed[static_cast<size_t>(d) % c.packed.size()];
+  };
   for (int64_t b = 0; b < (c.segments ? B : 0); ++b)
-    for (auto [ids, T] : {std::pair{&qseg, Tq}, std::pair{&kseg, Tk}})
+    for (auto [ids, T, kv] : {std::tuple{&qseg, Tq, false}, std::tuple{&kseg, Tk, true}})
       for (int64_t d = 0, x = 0; x < T; ++d)
-        for (int64_t y = 0; y < 20 + (37 * d + 29 * b) % 40 && x < T; ++y, ++x) ids->push_back(d);
+        for (int64_t y = 0; y < doc_len(d, b, kv) && x < T; ++y, ++x) ids->push_back(d);
   for (int64_t x = 0; x < B * H; ++x) qseg_offsets[x] = (x / H) * Tq, kseg_offsets[x] = (x / H) * Tk;
   std::vector<int64_t> bias_offsets(B * H), mask_offsets(B * H);
   for (int64_t x = 0; x < B * H; ++x) bias_offsets[x] = (x % H) * Tq * Tk, mask_offsets[x] = (x / H) * Tq * Tk;

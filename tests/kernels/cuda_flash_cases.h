@@ -56,6 +56,10 @@ struct CudaKernelCase {
   // entry, shared by the heads: documents of irregular lengths (about 40
   // positions, shifted per entry), over [batch, Tq] and [batch, Tk].
   bool segments = false;
+  // With segments: packed sequences instead, sequence d of length
+  // packed[d % n] on the query side and on the kv side, where every fifth
+  // (d % 5 == 2) has no kv positions (its rows attend nothing).
+  std::vector<int64_t> packed;
   // The call as a block of a longer sequence: dropout keys row q_position + i
   // and kv position kv_position + j (attention_params.h).
   int64_t q_position = 0, kv_position = 0;
