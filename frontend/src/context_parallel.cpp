@@ -13,7 +13,9 @@
 // and ALiBi see global positions and dropout keys its mask by global (query
 // row, kv column) from one seed: the result and the gradients equal the
 // single-process call's, dropout included. Blocks a mask leaves empty are
-// skipped, not computed.
+// skipped, not computed. Segment ids go with their positions: each block
+// takes its query chunk's ids and its kv chunk's, every rank's kv ids
+// gathered once per call.
 #include "dimattn/context_parallel.h"
 
 #include <algorithm>
@@ -112,6 +114,7 @@ class ContextCall {
     const std::vector<ContextChunk>& mine = l.chunks[l.rank];
     const DType acc = l.acc_dtype();
     std::vector<Tensor> acc_out, acc_lse;
+    gather_kv_segments();
     for (const ContextChunk& c : mine) {
       acc_out.push_back(zeros(l.out_dims(c.q_dim), options_like(q, acc)));
       acc_lse.push_back(full(l.lse_dims(c.q_dim), -INFINITY, options_like(q, acc)));
@@ -208,6 +211,32 @@ class ContextCall {
     return cast(copy_transpose(neg(*total), sinks.dims()), sinks.dtype());
   }
 
+  // Every rank's kv segment ids over its shard (kv_ids_[r], axis last as
+  // rank r's shard dim), from one all_gather (padded to the longest shard),
+  // when the ids vary along axis; once per call (the backward pass reuses them).
+  void gather_kv_segments() {
+    const std::optional<Tensor>& ids = opts_.variants.kv_segments;
+    const ContextLayout& l = layout_;
+    if (!ids || !ids->has(l.axis) || !kv_ids_.empty()) return;
+    Dims order = without(ids->dims(), Dims{l.axis});
+    order.push_back(l.axis);
+    const Tensor mine = cast(copy_transpose(*ids, order), DType::int64);
+    Backend& be = mine.backend();
+    const int64_t per = l.per_position(order), most = *std::max_element(l.sizes.begin(), l.sizes.end());
+    const RawPtr flat = be.reshape(be.contiguous(mine.raw()), {mine.numel()});
+    std::vector<RawPtr> all;
+    pg_->all_gather(be.concat({flat, be.full({per * most - mine.numel()}, 0, DType::int64, l.device)}, 0), all)
+        ->wait();
+    for (int r = 0; r < l.world; ++r) {
+      Dims dims = order;
+      dims.back() = l.shard_dims[r];
+      Shape shape;
+      for (const Dim& d : dims) shape.push_back(d.extent());
+      kv_ids_.emplace_back(dims, DType::int64, l.device, be.reshape(be.slice(all[r], 0, 0, per * l.sizes[r]), shape),
+                           &be);
+    }
+  }
+
   // Whether the masks leave every element of the block empty (no kernel
   // call): no row of the query range attends into the kv range, by the
   // kernels' own row ranges (kernels/common/attention_mask.h) over the whole
@@ -245,6 +274,9 @@ class ContextCall {
         o.axis = kc.kv_dim;
         (o.causal_query_spatial_dim ? o.causal_query_spatial_dim : o.query_position_dim) = qc.q_dim;
         o.positions = AttentionPositions{qc.range.first, kc.range.first};
+        std::optional<Tensor>&qs = o.variants.query_segments, &ks = o.variants.kv_segments;
+        if (qs && qs->has(l.axis)) qs = slice_along(*qs, l.axis, qc.offset, qc.q_dim);
+        if (ks && ks->has(l.axis)) ks = slice_along(kv_ids_[r], l.shard_dims[r], kc.offset, kc.kv_dim);
         const TrainFlagScope train(dropout_ > 0);  // the backward pass runs after the caller's scope ended
         fn(Block{i, j, &qc, kb, vb, std::move(o)});
       }
@@ -255,6 +287,7 @@ class ContextCall {
   ContextLayout layout_;
   ContextExchange exchange_;
   AttentionOptions opts_;  // the blocks': the local call's, without sinks, with the shared seed
+  std::vector<Tensor> kv_ids_;  // per rank: its kv segment ids (gather_kv_segments)
   double dropout_;         // as it acts in this call (0 when the train flag is off)
   bool sink_off_by_one_;  // the call's: a sink of logit 0, merged once
 };
@@ -278,9 +311,16 @@ void check_local(const Tensor& q, const Tensor& k, const Tensor& v, const Attent
   unsupported(o.positions.has_value(), "positions");
   unsupported(o.variants.bias.has_value(), "bias");
   unsupported(o.variants.mask.has_value(), "mask");
-  unsupported(o.variants.query_segments || o.variants.kv_segments, "segments");
-  DIMATTN_CHECK(bad.empty(), kOp, "does not take ", bad, " yet (a bias, mask, segment ids or offset over the whole sequence ",
+  DIMATTN_CHECK(bad.empty(), kOp, "does not take ", bad, " yet (a bias, mask or offset over the whole sequence ",
                 "would have to be split with it); call without them or on one process");
+  for (const auto& [name, ids] : {std::pair{"query_segments", &o.variants.query_segments},
+                                  std::pair{"kv_segments", &o.variants.kv_segments}})
+    if (*ids)
+      for (const Dim& d : (*ids)->dims())
+        DIMATTN_CHECK(d == o.axis || (q.has(d) && k.has(d) && v.has(d) && d != o.key_dim), kOp, name, " ",
+                      repr((*ids)->dims()), " vary over ", d.repr(), ", which is neither the sharded axis ",
+                      o.axis.repr(), " nor a dim of query, keys and values; give each rank its shard's ids over ",
+                      "the batch dims and axis");
   DIMATTN_CHECK(!TraceScope::capturing(), kOp, "calls cannot be traced (the energies live on every rank); trace a ",
                 "single-process call");
   if (cp.lengths) {

@@ -111,6 +111,10 @@ ContextLayout agree_layout(Backend& be, ProcessGroup& pg, const ContextParallel&
                            dropout,
                            double(o.att_dropout_broadcast),
                            double(cp.lengths.has_value())};
+  // Segment ids: the elements per position of each side (their other dims'
+  // sizes, so that the kv ids gather alike).
+  for (const std::optional<Tensor>* ids : {&o.variants.query_segments, &o.variants.kv_segments})
+    meta.push_back(*ids ? double(l.per_position((*ids)->dims())) : -1.0);
   const std::vector<double> fingerprint = o.variants.fingerprint();
   meta.insert(meta.end(), fingerprint.begin(), fingerprint.end());
   const auto n = static_cast<int64_t>(meta.size());

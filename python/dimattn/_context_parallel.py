@@ -24,7 +24,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _call
+from . import _call, _variants
 from ._core import Dim, Error, Tensor
 
 _SHARDINGS = ("contiguous", "load_balanced")
@@ -99,6 +99,9 @@ def attention(query: Tensor, keys: Tensor, values: Tensor, o: _call.Options, var
         return Tensor._trusted(x.raw, [local if d is axis else d for d in x.dims]) if local is not axis and x.has(axis) \
             else x
     q, k, v = relabel(query), relabel(keys), relabel(values)
+    if variants is not None:  # segment ids over the axis
+        variants = dataclasses.replace(variants, **{n: relabel(getattr(variants, n)) for n in _variants.TENSOR_FIELDS
+                                                    if getattr(variants, n) is not None})
     lo = dataclasses.replace(o, axis=local, **{n: local for n in ("causal_query_spatial_dim", "query_position_dim")
                                                if getattr(o, n) is axis})
     out_dims = _call.out_dims(q, k, v, o.key_dim, local)

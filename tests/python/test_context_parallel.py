@@ -54,7 +54,7 @@ def _entry(rank, world, port, worker, args):
 # --- the cases ----------------------------------------------------------------------
 
 def _case(rank, world, *, T, causal, sharding, strategy, dropout=0.0, lengths=None, gqa=False, window=None,
-          softcap=None, alibi=False, sinks=False, off_by_one=False, dtype=torch.float32, tol=1e-5):
+          softcap=None, alibi=False, sinks=False, off_by_one=False, segments=False, dtype=torch.float32, tol=1e-5):
     """One call on the whole sequence (single process) and context-parallel;
     compares this rank's shards. Returns whether dropout changed the output (when on)."""
     B, Hkv, G, D = 2, 2, (2 if gqa else 1), 8
@@ -74,10 +74,15 @@ def _case(rank, world, *, T, causal, sharding, strategy, dropout=0.0, lengths=No
     slopes = da.Tensor(torch.tensor([0.5, 0.25], dtype=dtype), [h]) if alibi else None
     opts = dict(key_dim=f, att_dropout=dropout, train=dropout > 0, window=window, softcap=softcap,
                 alibi_slopes=slopes, sink_off_by_one=off_by_one)
+    # Documents of growing lengths (1, 1, 2, 3, ...: floor(sqrt(c t))), other ones per
+    # batch entry, runs that cross the shards' edges.
+    ids = torch.stack([torch.arange(T).mul(2 + e).sqrt().floor().long() for e in range(B)])
     sink_logits = torch.tensor([0.7, -0.4], dtype=dtype)
 
-    def call(q, k, v, tdim, **kw):
+    def call(q, k, v, tdim, seg=ids, **kw):
         pos = dict(causal_query_spatial_dim=tdim) if causal else dict(query_position_dim=tdim)
+        if segments:
+            kw = {**kw, "query_segments": da.Tensor(seg, [b, tdim]), "kv_segments": da.Tensor(seg, [b, tdim])}
         return da.dot_attention(da.Tensor(q, qdims_full + [tdim, f]), da.Tensor(k, [b, h, tdim, f]),
                                 da.Tensor(v, [b, h, tdim, f]), axis=tdim, **pos, **{**opts, **kw})
 
@@ -100,7 +105,8 @@ def _case(rank, world, *, T, causal, sharding, strategy, dropout=0.0, lengths=No
     ks, vs = (sh(x).clone().requires_grad_() for x in (kf, vf))
     s2 = sink_logits.clone().requires_grad_()
     torch.manual_seed(99)
-    out = call(qs, ks, vs, tl, context_parallel=cp, **({"sinks": da.Tensor(s2, [h])} if sinks else {}))
+    out = call(qs, ks, vs, tl, sh(ids[..., None])[..., 0], context_parallel=cp,
+               **({"sinks": da.Tensor(s2, [h])} if sinks else {}))
     (out.raw * sh(gof)).sum().backward()
     if sinks:
         # A replicated parameter: its gradient summed over the ranks is the
@@ -147,6 +153,11 @@ def _cases_worker(rank, world, expected):
     ran.append("sinks")
     _case(rank, world, T=T, causal=False, sharding="contiguous", strategy="all_gather", off_by_one=True)
     ran.append("sink_off_by_one")
+    _case(rank, world, T=T, causal=True, sharding="contiguous", strategy="ring", segments=True, gqa=True)
+    ran.append("segments contiguous")
+    _case(rank, world, T=T_lb, causal=True, sharding="load_balanced", strategy="all_gather", segments=True,
+          lengths=[T_lb, T_lb - 7], window=(6, None))
+    ran.append("segments load-balanced")
     _case(rank, world, T=T, causal=False, sharding="contiguous", strategy="ring", dtype=torch.float64, tol=1e-12)
     ran.append("float64")
     # bfloat16: the merge in float32 rounds once more than one process does
@@ -161,7 +172,8 @@ def _cases_worker(rank, world, expected):
 
 
 EXPECTED = ["non-causal", "causal contiguous", "causal load-balanced", "causal load-balanced all_gather", "padding",
-            "GQA", "window + softcap + ALiBi", "sinks", "sink_off_by_one", "float64", "bfloat16", "dropout exact ring", "dropout exact all_gather"]
+            "GQA", "window + softcap + ALiBi", "sinks", "sink_off_by_one", "segments contiguous",
+            "segments load-balanced", "float64", "bfloat16", "dropout exact ring", "dropout exact all_gather"]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -210,6 +222,11 @@ def _errors_worker(rank, world):
     keep = da.Tensor(torch.ones(2, T_local, dtype=torch.bool), [b, t])
     _expect_error(lambda: da.dot_attention(x, x, x, key_dim=f, axis=t, causal_query_spatial_dim=t, mask=keep,
                                            context_parallel=cp), "does not take mask")
+    # Segment ids over a dim the operands lack.
+    other = da.Dim("other", 2)
+    ids = da.Tensor(torch.zeros(2, T_local, dtype=torch.int64), [other, t])
+    _expect_error(lambda: da.dot_attention(x, x, x, key_dim=f, axis=t, causal_query_spatial_dim=t, query_segments=ids,
+                                           kv_segments=ids, context_parallel=cp), "vary over other")
 
 
 def test_bad_input_raises_on_every_rank():

@@ -382,9 +382,9 @@ const std::map<std::string, ErrorCase>& error_cases() {
               {.key_dim = e.feat, .axis = e.time, .variants = {.mask = compare(e.lens({1, 2}), Compare::gt, 0.0)}},
               ContextParallel{"0"});
         }}},
-      {"context_parallel_with_segments",
+      {"context_parallel_segments_over_features",
        {[](const Ex& e) {
-          const Tensor ids = from_host({e.batch, e.time}, {0, 0, 1, 0, 1, 1}, e.i64);
+          const Tensor ids = from_host({e.feat, e.time}, std::vector<double>(12, 0.0), e.i64);
           context_parallel_attention(e.q, e.q, e.q,
                                      {.key_dim = e.feat, .axis = e.time,
                                       .variants = {.query_segments = ids, .kv_segments = ids}},
