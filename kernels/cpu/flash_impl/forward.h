@@ -174,6 +174,12 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
         return;
       }
       const int64_t npr = round_up(nv, W);
+      // The row's work runs over whole vectors from the one holding lb,
+      // sr = srow + lb0 (positions before lb0 get weight 0 at the end): a
+      // row whose range starts inside the tile (a window, a segment run)
+      // pays for its own positions only.
+      const int64_t lb0 = lb / W * W, nr = npr - lb0;
+      A* const sr = srow + lb0;
       // x = smul * s (log2 units). The variants are applied to x; without them
       // smul > 0 goes into the max and the exponentials (a factor <= 0 would
       // turn the max into a min, and 0 * -inf is NaN).
@@ -182,12 +188,12 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
         apply_score_mods(mod, srow, static_cast<A*>(nullptr), lb, nv, mul, r0 + r, j0);
         mul = A(1);
       } else if (!(mul > A(0))) {
-        scale_row(srow, npr, mul);
+        scale_row(sr, nr, mul);
         mul = A(1);
       }
-      fill(srow, lb, -kInf);
+      fill(sr, lb - lb0, -kInf);
       fill(srow + nv, npr - nv, -kInf);
-      const A mnew = std::max(w.m[r], row_max(srow, npr) * mul);
+      const A mnew = std::max(w.m[r], row_max(sr, nr) * mul);
       // A mask or a -inf bias forbade all of it so far: as above. (row_max
       // skips NaN, which must still reach the output: NaN in, NaN out.)
       if (mnew == -kInf && std::none_of(srow + lb, srow + nv, [](A x) { return x != x; })) {
@@ -197,18 +203,19 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
       // 0 on the row's first tile; vexp2 (no library call per row and tile):
       // exactly 1 when the max is unchanged, exactly 0 from -inf.
       const A alpha = vexp2(Simd<A>::splat(w.m[r] - mnew))[0];
-      const A sum = exp2_row<Operands::kRoundedWeights>(srow, npr, mul, mnew);
+      const A sum = exp2_row<Operands::kRoundedWeights>(sr, nr, mul, mnew);
+      fill(srow, lb0, A(0));
       fill(srow + npr, np - npr, A(0));  // read by P V up to the row block's longest prefix
       w.l[r] = w.l[r] * alpha + sum;
       if (alpha != A(1)) scale_row(w.o + r * dvp, dvp, alpha);
       w.m[r] = mnew;
       // Dropout after the normaliser's sum: kept weights only reach O.
       if (row_dropout) {
-        drop.row_factors(bh, static_cast<uint32_t>(r0 + r), j0, nv, A(1), w.z);
-        fill(w.z + nv, npr - nv, A(0));
-        mul_rows(srow, w.z, npr);
+        drop.row_factors(bh, static_cast<uint32_t>(r0 + r), j0 + lb0, nv - lb0, A(1), w.z);
+        fill(w.z + (nv - lb0), npr - nv, A(0));
+        mul_rows(sr, w.z, nr);
       } else if (drop.on) {
-        mul_rows(srow, w.z, npr);
+        mul_rows(sr, w.z + lb0, nr);
       }
     };
     for (int64_t r = 0; r < m; ++r) {
