@@ -9,7 +9,7 @@ packed length T (what a document-unaware model pays).
         ~/.cache/dimattn/venv/bin/python bench/packed_sequences.py [--quick]
 
 Per sequence split and dtype: median wall time over interleaved rounds (every variant
-once per round, so load drifts reach all alike; --cpu-time: the process's CPU time) of forward, and of forward + backward
+once per round, each first in turn, so load drifts reach all alike; --cpu-time: the process's CPU time) of forward, and of forward + backward
 (the gradients of q, k, v), causal, [tokens, heads, D] operands. Ratios: packed over
 one-by-one (goal ≤ 1.1x, issue 28), apart over one-by-one, and packed over full
 causal against the attended area Σ lᵢ² / T².
@@ -115,11 +115,15 @@ def main():
             both = {key: [] for key in variants}
             for key, fn in variants.items():  # warm-up
                 fn(), backward(fn)()
-            for _ in range(a.rounds):
+            for rnd in range(a.rounds):
+                # Each variant first in turn: the first call of a round pays for the
+                # memory the previous round's backward pass gave back.
+                order = list(variants.items())
+                order = order[rnd % len(order):] + order[:rnd % len(order)]
                 with torch.no_grad():
-                    for key, fn in variants.items():
+                    for key, fn in order:
                         fwd[key] += timed(fn, 1, clock)
-                for key, fn in variants.items():
+                for key, fn in order:
                     both[key] += timed(backward(fn), 1, clock)
             cells = []
             for m in (fwd, both):
