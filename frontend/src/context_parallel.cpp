@@ -211,14 +211,16 @@ class ContextCall {
     return cast(copy_transpose(neg(*total), sinks.dims()), sinks.dtype());
   }
 
-  // Every rank's kv segment ids over its shard (kv_ids_[r], axis last as
-  // rank r's shard dim), from one all_gather (padded to the longest shard),
-  // when the ids vary along axis; once per call (the backward pass reuses them).
+  // Every rank's kv segment ids over its shard (kv_ids_[r]: the keys' dims
+  // order, axis last as rank r's shard dim), from one all_gather (padded to
+  // the longest shard); once per call (the backward pass reuses them).
   void gather_kv_segments() {
     const std::optional<Tensor>& ids = opts_.variants.kv_segments;
     const ContextLayout& l = layout_;
-    if (!ids || !ids->has(l.axis) || !kv_ids_.empty()) return;
-    Dims order = without(ids->dims(), Dims{l.axis});
+    if (!ids || !kv_ids_.empty()) return;
+    Dims order;  // alike on every rank (check_local: the ids' dims are the keys')
+    for (const Dim& d : l.kdims)
+      if (d != l.axis && ids->has(d)) order.push_back(d);
     order.push_back(l.axis);
     const Tensor mine = cast(copy_transpose(*ids, order), DType::int64);
     Backend& be = mine.backend();
@@ -274,9 +276,10 @@ class ContextCall {
         o.axis = kc.kv_dim;
         (o.causal_query_spatial_dim ? o.causal_query_spatial_dim : o.query_position_dim) = qc.q_dim;
         o.positions = AttentionPositions{qc.range.first, kc.range.first};
-        std::optional<Tensor>&qs = o.variants.query_segments, &ks = o.variants.kv_segments;
-        if (qs && qs->has(l.axis)) qs = slice_along(*qs, l.axis, qc.offset, qc.q_dim);
-        if (ks && ks->has(l.axis)) ks = slice_along(kv_ids_[r], l.shard_dims[r], kc.offset, kc.kv_dim);
+        if (std::optional<Tensor>& qs = o.variants.query_segments) {  // and kv_segments (both or neither)
+          qs = slice_along(*qs, l.axis, qc.offset, qc.q_dim);
+          o.variants.kv_segments = slice_along(kv_ids_[r], l.shard_dims[r], kc.offset, kc.kv_dim);
+        }
         const TrainFlagScope train(dropout_ > 0);  // the backward pass runs after the caller's scope ended
         fn(Block{i, j, &qc, kb, vb, std::move(o)});
       }
@@ -315,12 +318,15 @@ void check_local(const Tensor& q, const Tensor& k, const Tensor& v, const Attent
                 "would have to be split with it); call without them or on one process");
   for (const auto& [name, ids] : {std::pair{"query_segments", &o.variants.query_segments},
                                   std::pair{"kv_segments", &o.variants.kv_segments}})
-    if (*ids)
+    if (*ids) {
       for (const Dim& d : (*ids)->dims())
         DIMATTN_CHECK(d == o.axis || (q.has(d) && k.has(d) && v.has(d) && d != o.key_dim), kOp, name, " ",
                       repr((*ids)->dims()), " vary over ", d.repr(), ", which is neither the sharded axis ",
                       o.axis.repr(), " nor a dim of query, keys and values; give each rank its shard's ids over ",
                       "the batch dims and axis");
+      DIMATTN_CHECK((*ids)->has(o.axis), kOp, name, " ", repr((*ids)->dims()), " do not vary over the sharded axis ",
+                    o.axis.repr(), "; give each rank its shard's ids over axis (a constant id expanded over it)");
+    }
   DIMATTN_CHECK(!TraceScope::capturing(), kOp, "calls cannot be traced (the energies live on every rank); trace a ",
                 "single-process call");
   if (cp.lengths) {

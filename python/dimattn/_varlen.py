@@ -81,9 +81,9 @@ class PackedCall:
         self.parts = []
         if query.shape[0] == 0 or n == 0 or key.shape[0] == 0:
             return
-        self.parts.append(_InPlace(query, key, value, starts_q.to(torch.int64), lens_q.to(torch.int64),
-                                   starts_k.to(torch.int64), lens_k.to(torch.int64), causal=causal,
-                                   dropout_p=dropout_p, scale=scale))
+        on = dict(device=query.device, dtype=torch.int64)
+        self.parts.append(_InPlace(query, key, value, starts_q.to(**on), lens_q.to(**on), starts_k.to(**on),
+                                   lens_k.to(**on), causal=causal, dropout_p=dropout_p, scale=scale))
 
     def run(self) -> torch.Tensor:
         """The packed ``[tokens_q, heads, Dv]`` output, 0 in gap rows (all 0, still on
@@ -95,21 +95,21 @@ class PackedCall:
         return part.rows(dot_attention(part.query, part.keys, part.values, **part.kwargs))
 
 
-def _token_ids(starts: torch.Tensor, lens: torch.Tensor, tokens: int, gap: int):
-    """Each token's sequence (``gap`` between sequences), and per real token its
+def _token_ids(starts: torch.Tensor, lens: torch.Tensor, gap: torch.Tensor):
+    """Each token's sequence (``gap``'s ids between sequences), and per real token its
     sequence and its position in it, in order of sequences."""
     seq = torch.arange(lens.numel(), device=starts.device).repeat_interleave(lens)
     first = torch.cumsum(lens, 0) - lens  # each sequence's first token among the real ones
     local = torch.arange(seq.numel(), device=starts.device) - first.repeat_interleave(lens)
     rows = starts.repeat_interleave(lens) + local
-    ids = torch.full((tokens,), gap, dtype=torch.int64, device=starts.device).index_put((rows,), seq)
+    ids = gap.to(torch.int64).index_put((rows,), seq)
     return ids, rows, seq, local
 
 
 class _InPlace:
     """Query and keys over their token dims as they are, each token's sequence its
-    segment id (gap tokens: -1 on the query side, -2 on the kv side, so that they
-    attend and are attended by nothing). Causal: with one packing, causal over the
+    segment id (gap tokens: -1 on the query side, -2 - token on the kv side, so that
+    they attend and are attended by nothing). Causal: with one packing, causal over the
     token positions is causal within each sequence; otherwise query token i of
     sequence b at position p attends kv tokens before starts_k[b] + p + lens_k[b] -
     lens_q[b] + 1, its kv dim's length per query row."""
@@ -118,8 +118,9 @@ class _InPlace:
         Tq, Tk, H, Hkv, Dv = query.shape[0], key.shape[0], query.shape[1], key.shape[1], value.shape[2]
         tq, heads, group = Dim("tokens", Tq), Dim("kv_heads", Hkv), Dim("group", H // Hkv)
         feat, vfeat = Dim("feat", query.shape[2]), Dim("vfeat", Dv)
-        ids_q, rows, seq, local = _token_ids(starts_q, lq, Tq, -1)
-        ids_k = _token_ids(starts_k, lk, Tk, -2)[0]
+        ids_q, rows, seq, local = _token_ids(starts_q, lq, torch.full((Tq,), -1, device=query.device))
+        # Each kv gap token its own id (below -1): every id's kv tokens stay one run.
+        ids_k = _token_ids(starts_k, lk, -2 - torch.arange(Tk, device=query.device))[0]
         one_packing = Tq == Tk and torch.equal(lq, lk) and torch.equal(starts_q, starts_k)
         causal_dim = tq if causal and one_packing else None
         if one_packing:
@@ -187,6 +188,15 @@ def _check_sequences(op: str, starts_q, lens_q, starts_k, lens_k, total_q: int, 
         if int(end.max()) > total:
             b = int(end.argmax())
             raise Error(f"[{op}] {side} sequence {b} ends at token {int(end[b])}, past the {total} tokens")
+        # Each token belongs to one sequence at most (a token's sequence is its segment id).
+        real = (lens > 0).nonzero().flatten()
+        order = real[torch.argsort(starts[real], stable=True)]
+        shared = (starts[order][1:].to(torch.int64) < end[order][:-1]).nonzero().flatten()
+        if shared.numel():
+            a, b = int(order[shared[0]]), int(order[shared[0] + 1])
+            raise Error(f"[{op}] {side} sequences {a} and {b} share tokens (tokens {int(starts[a])}..{int(end[a]) - 1} "
+                        f"and {int(starts[b])}..{int(end[b]) - 1}); sequences must not overlap (copy the shared "
+                        f"tokens into each)")
     return n
 
 

@@ -227,6 +227,11 @@ def _errors_worker(rank, world):
     ids = da.Tensor(torch.zeros(2, T_local, dtype=torch.int64), [other, t])
     _expect_error(lambda: da.dot_attention(x, x, x, key_dim=f, axis=t, causal_query_spatial_dim=t, query_segments=ids,
                                            kv_segments=ids, context_parallel=cp), "vary over other")
+    # Segment ids that do not vary over the sharded axis (a rank's constant would meet other ranks' keys).
+    per_entry = da.Tensor(torch.zeros(2, dtype=torch.int64), [b])
+    _expect_error(lambda: da.dot_attention(x, x, x, key_dim=f, axis=t, causal_query_spatial_dim=t,
+                                           query_segments=per_entry, kv_segments=per_entry, context_parallel=cp),
+                  "do not vary over the sharded axis")
 
 
 def test_bad_input_raises_on_every_rank():

@@ -201,3 +201,15 @@ def test_bad_input_is_a_clear_error(case):
     make, message = BAD[case]
     with pytest.raises(da.Error, match=r"\[varlen_attention\].*" + message.replace("[", r"\[").replace("(", r"\(")):
         da.varlen_attention(*make(q, k, v, torch.tensor([0, 3, 7])))
+
+
+def test_sequences_that_share_tokens_are_an_error():
+    """A token's sequence is its segment id: two sequences of one side may not share a token."""
+    q, k, v = torch.randn(7, 2, 8), torch.randn(7, 2, 8), torch.randn(7, 2, 8)
+    lens = torch.tensor([3, 4])
+    with pytest.raises(da.Error, match=r"\[packed_attention\] kv sequences 0 and 1 share tokens \(tokens 0..2 and 2..5\)"):
+        da.packed_attention(q, k, v, torch.tensor([0, 3]), lens, torch.tensor([0, 2]), lens, 4, 4)
+    # Touching sequences and empty ones anywhere are fine.
+    out = da.packed_attention(q, k, v, torch.tensor([0, 3, 1]), torch.tensor([3, 4, 0]), torch.tensor([0, 3, 0]),
+                              torch.tensor([3, 4, 0]), 4, 4)
+    assert out.shape == (7, 2, 8)

@@ -170,8 +170,9 @@ class MaskTiles {
   }
 
   // The kv run [lo, hi) of each id of the kv planes (firsts kf), and of each
-  // row of each (query plane, kv plane) pair in use its id's run ([0, 0)
-  // when the kv plane lacks the id): run_lo_, run_hi_. Nothing when some kv
+  // row of each (query plane, kv plane) pair in use its id's run ([seqlen_k,
+  // 0) when the kv plane lacks the id: no block of rows starts earlier for
+  // it): run_lo_, run_hi_. Nothing when some kv
   // plane repeats an id after another one (ids not in runs).
   void find_runs(const AttentionKernelParams& p, const std::vector<int64_t>& qf, const std::vector<int64_t>& kf) {
     const ScorePlanes &qs = p.score.query_segments, &ks = p.score.kv_segments;
@@ -202,7 +203,7 @@ class MaskTiles {
         const int64_t id = ids[i * qs.row_stride];
         const auto r = std::lower_bound(kr.begin(), kr.end(), id, [](const Run& a, int64_t x) { return a.id < x; });
         const bool has = r != kr.end() && r->id == id;
-        run_lo_.push_back(has ? r->lo : 0);
+        run_lo_.push_back(has ? r->lo : p.seqlen_k);  // none: an empty range past every position
         run_hi_.push_back(has ? r->hi : 0);
       }
     }
