@@ -764,6 +764,29 @@ TEST(CpuFlash, MaskTilesOfEveryClass) {
   }
 }
 
+// Causal calls scan only the mask tiles some row of a 16-row group reaches
+// (MaskTiles' reach, the largest causal offset): a block whose first rows'
+// groups see a forbidden cell in the diagonal tile and whose later rows see
+// none must stay partial. Rows 0..19 may not attend kv 0 (nor row 200 kv
+// 150, with an offset of 30 in entry 1), every other cell is allowed.
+TEST(CpuFlash, MaskTilesCausalReach) {
+  int ran = 0;
+  for (ElementType t : {ElementType::float32, ElementType::float64}) {
+    for (bool offsets : {false, true}) {
+      Case c = base(std::string("causal mask reach") + (offsets ? " offsets" : ""), t);
+      c.B = 2, c.H = 2, c.Hkv = 2, c.Tq = 300, c.Tk = offsets ? 330 : 300, c.D = c.Dv = 16, c.causal = true;
+      if (offsets) c.offsets = {0, 30};
+      c.mask.assign(static_cast<size_t>(c.Tq * c.Tk), 1);
+      for (int64_t i = 0; i < 20; ++i) c.mask[static_cast<size_t>(i * c.Tk)] = 0;
+      c.mask[static_cast<size_t>(200 * c.Tk + 150)] = 0;
+      c.mask_plane.assign(static_cast<size_t>(c.B * c.H), 0);
+      check_case(c);
+      ++ran;
+    }
+  }
+  EXPECT_EQ(ran, 4);
+}
+
 // Ids of documents of irregular lengths around `len` (document d has
 // len / 2 + (37 d + shift) % len positions), over n positions.
 std::vector<int64_t> document_ids(int64_t n, int64_t len, int64_t shift) {

@@ -63,6 +63,16 @@ class MaskTiles {
     const int64_t bhs = p.batch * p.heads;
     const ScorePlanes& mk = p.score.mask;
     if (mk.on()) {
+      // Causal: the tiles past a row group's reach under the largest causal
+      // offset of any entry are never asked about (a pass asks only about
+      // tiles its rows reach), so they are not scanned (bits 0: partial).
+      constexpr int64_t kFar = int64_t{1} << 61;  // entry_mask's clamp of offsets
+      int64_t reach = kFar;
+      if (p.causal) {
+        reach = p.causal_offset ? -kFar : 0;
+        for (int64_t b = 0; p.causal_offset && b < p.batch; ++b)
+          reach = std::max(reach, std::clamp(p.causal_offset[b], -kFar, kFar));
+      }
       const std::vector<int64_t> firsts = distinct_planes(mk.offsets, bhs, plane_of_);
       bits_.assign(static_cast<size_t>(static_cast<int64_t>(firsts.size()) * groups_ * tiles_), 0);
       parallel_for(0, static_cast<int64_t>(firsts.size()) * groups_, [&](int64_t t0, int64_t t1) {
@@ -73,7 +83,7 @@ class MaskTiles {
           uint8_t* out = bits_.data() + (plane * groups_ + g) * tiles_;
           for (int64_t tile = 0; tile < tiles_; ++tile) {
             const int64_t j0 = tile * bk, n = std::min(bk, p.seqlen_k - j0);
-            out[tile] = scan(base + j0 * mk.col_stride, rows, mk.row_stride, n, mk.col_stride);
+            out[tile] = j0 > i0 + rows - 1 + reach ? 0 : scan(base + j0 * mk.col_stride, rows, mk.row_stride, n, mk.col_stride);
           }
         }
       });
