@@ -298,7 +298,8 @@ void add_cpu_cases(std::vector<AttentionCase>& out) {
   // from the ids' ranges (empty, full and partial ones at these sizes:
   // CpuFlash.SegmentTilesOfEveryClass); causal self-attention with one
   // tensor as both sides, with a window, with GQA, kv lengths and dropout
-  // and ids per (batch, head), and cross-attention with soft-capping.
+  // and ids per (batch, head), cross-attention with soft-capping, and with
+  // kv lengths per query row.
   for (DType dt : {DType::float32, DType::bfloat16}) {
     const std::string s = std::string("_") + dtype_name(dt);
     out.push_back({.name = "segments_causal_self" + s, .dtype = dt, .kind = Kind::self, .seq_q = 640, .seq_k = 640,
@@ -310,6 +311,10 @@ void add_cpu_cases(std::vector<AttentionCase>& out) {
                    .variants = {.segment_docs = 300, .segments_over = "bh"}});
     out.push_back({.name = "segments_cross_softcap" + s, .dtype = dt, .seq_q = 300, .seq_k = 640,
                    .variants = {.scalars = {.softcap = 5.0}, .segment_docs = 200}});
+    // Per-query-row kv lengths with segments (packed_attention between two
+    // packings: each query token's causal end as its kv length).
+    out.push_back({.name = "segments_row_lengths_dropout" + s, .dtype = dt, .groups = 2, .seq_q = 300, .seq_k = 640,
+                   .lengths = {640, 500}, .lengths_over = "bt", .dropout = 0.1, .variants = {.segment_docs = 200}});
   }
   out.push_back({.name = "t1", .seq_q = 1, .seq_k = 1});
   out.push_back({.name = "odd_head_dims", .head_dim = 5, .head_dim_v = 3});
