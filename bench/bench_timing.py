@@ -4,13 +4,15 @@ import time
 
 
 def interleaved(fns, rounds, clock=time.perf_counter):
-    """Median seconds of each fn, run alternately (order flipped every round) after one warm-up each,
-    so that load drifts reach every fn alike."""
+    """Median seconds of each fn, run alternately (each first in turn) after one warm-up each, so
+    that load drifts reach every fn alike, and so does what the round before left behind (the first
+    call of a round pays for memory the last one gave back)."""
     for fn in fns:
         fn()
     times = [[] for _ in fns]
+    n = len(fns)
     for r in range(rounds):
-        for i in list(range(len(fns)))[::(-1 if r % 2 else 1)]:
+        for i in [(r + j) % n for j in range(n)]:
             t0 = clock()
             fns[i]()
             times[i].append(clock() - t0)

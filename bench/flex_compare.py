@@ -16,7 +16,7 @@ Per variant, dtype and T (B = 1, H = 8, D = 64 by default): the median wall time
             masked, plus ALiBi's bias), or is_causal for plain causal; "-" where it
             cannot express the variant (soft-capping) or its mask would pass
             --sdpa-max-bytes,
-run alternately in rounds (order flipped every round) so that load drifts reach all
+run alternately in rounds (each first in turn) so that load drifts reach all
 alike. Forward only: FlexAttention has no backward on the CPU. Each row's outputs
 are compared (max |diff| of dimattn's output against flex's and SDPA's).
 Variants: causal; causal + window 256 (row i attends i - 256 .. i); causal + softcap 30;

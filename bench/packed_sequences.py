@@ -9,19 +9,19 @@ packed length T (what a document-unaware model pays).
         ~/.cache/dimattn/venv/bin/python bench/packed_sequences.py [--quick]
 
 Per sequence split and dtype: median wall time over interleaved rounds (every variant
-once per round, each first in turn, so load drifts reach all alike; --cpu-time: the process's CPU time) of forward, and of forward + backward
+once per round, each first in turn (bench_timing.interleaved), so load drifts reach all alike; --cpu-time: the process's CPU time) of forward, and of forward + backward
 (the gradients of q, k, v), causal, [tokens, heads, D] operands. Ratios: packed over
 one-by-one (goal ≤ 1.1x, issue 28), apart over one-by-one, and packed over full
 causal against the attended area Σ lᵢ² / T².
 """
 import argparse
 import os
-import statistics
 import time
 
 import torch
 
 import dimattn as da
+from bench_timing import interleaved
 
 
 def splits(T, quick):
@@ -33,13 +33,11 @@ def splits(T, quick):
     return dict(list(rows.items())[:1]) if quick else rows
 
 
-def timed(fn, reps, clock):
-    times = []
-    for _ in range(reps):
-        t0 = clock()
-        fn()
-        times.append(clock() - t0)
-    return times
+def no_grad(fn):
+    def run():
+        with torch.no_grad():
+            return fn()
+    return run
 
 
 def main():
@@ -111,23 +109,13 @@ def main():
             want = one_by_one().float()
             diffs = [(fn().float() - want).abs().max().item() for fn in (packed, apart)]
             variants = {"packed": packed, "apart": apart, "one": one_by_one, "full": full}
-            fwd = {key: [] for key in variants}
-            both = {key: [] for key in variants}
-            for key, fn in variants.items():  # warm-up
-                fn(), backward(fn)()
-            for rnd in range(a.rounds):
-                # Each variant first in turn: the first call of a round pays for the
-                # memory the previous round's backward pass gave back.
-                order = list(variants.items())
-                order = order[rnd % len(order):] + order[:rnd % len(order)]
-                with torch.no_grad():
-                    for key, fn in order:
-                        fwd[key] += timed(fn, 1, clock)
-                for key, fn in order:
-                    both[key] += timed(backward(fn), 1, clock)
+            names = list(variants)
+
+            fwd = dict(zip(names, interleaved([no_grad(variants[n]) for n in names], a.rounds, clock)))
+            both = dict(zip(names, interleaved([backward(variants[n]) for n in names], a.rounds, clock)))
             cells = []
             for m in (fwd, both):
-                ms = {key: statistics.median(x) * 1e3 for key, x in m.items()}
+                ms = {key: x * 1e3 for key, x in m.items()}
                 cells += [f"{ms['packed']:.1f} / {ms['apart']:.1f} / {ms['one']:.1f} / {ms['full']:.1f}",
                           f"{ms['packed'] / ms['one']:.2f}x, {ms['apart'] / ms['one']:.2f}x",
                           f"{ms['packed'] / ms['full']:.2f}, {area:.2f}"]
