@@ -144,43 +144,35 @@ struct EntryMask {
   // The smallest and largest lo(i) over rows [r0, r1): where a block of
   // rows starts reading, and from where all of them do. pre: r0 < r1.
   DIMATTN_HD int64_t lo_min(int64_t r0, int64_t r1) const {
-    if (run_lo == nullptr) return lo(r0);
-    int64_t l = lo(r0);
-    for (int64_t i = r0 + 1; i < r1; ++i) {
-      const int64_t x = lo(i);
-      l = x < l ? x : l;
-    }
-    return l;
+    return run_lo == nullptr ? lo(r0) : fold(r0, r1, false, [this](int64_t i) { return lo(i); });
   }
   DIMATTN_HD int64_t lo_max(int64_t r0, int64_t r1) const {
-    if (run_lo == nullptr) return lo(r1 - 1);
-    int64_t l = lo(r0);
-    for (int64_t i = r0 + 1; i < r1; ++i) {
-      const int64_t x = lo(i);
-      l = x > l ? x : l;
-    }
-    return l;
+    return run_lo == nullptr ? lo(r1 - 1) : fold(r0, r1, true, [this](int64_t i) { return lo(i); });
+  }
+  // Whether every row of [r0, r1) attends all of kv positions [j0, j1) (a
+  // tile then needs no per-row bounds). pre: r0 < r1.
+  DIMATTN_HD bool covers(int64_t r0, int64_t r1, int64_t j0, int64_t j1) const {
+    return hi_min(r0, r1) >= j1 && lo_max(r0, r1) <= j0;
   }
   // The largest and smallest hi(i) over rows [r0, r1): where a block of rows
   // stops reading kv positions, and up to where all of them read (a tile
   // that ends there needs no per-row masking). pre: 0 <= r0 < r1 <= q_len.
   DIMATTN_HD int64_t hi_max(int64_t r0, int64_t r1) const {
-    if (monotone()) return hi(r1 - 1);
-    int64_t h = 0;
-    for (int64_t i = r0; i < r1; ++i) {
-      const int64_t x = hi(i);
-      h = x > h ? x : h;
-    }
-    return h;
+    return monotone() ? hi(r1 - 1) : fold(r0, r1, true, [this](int64_t i) { return hi(i); });
   }
   DIMATTN_HD int64_t hi_min(int64_t r0, int64_t r1) const {
-    if (monotone()) return hi(r0);
-    int64_t h = hi(r0);
+    return monotone() ? hi(r0) : fold(r0, r1, false, [this](int64_t i) { return hi(i); });
+  }
+
+  // The largest (most) or smallest of x(i) over rows [r0, r1). pre: r0 < r1.
+  template <class X>
+  DIMATTN_HD static int64_t fold(int64_t r0, int64_t r1, bool most, X x) {
+    int64_t e = x(r0);
     for (int64_t i = r0 + 1; i < r1; ++i) {
-      const int64_t x = hi(i);
-      h = x < h ? x : h;
+      const int64_t v = x(i);
+      e = (most ? v > e : v < e) ? v : e;
     }
-    return h;
+    return e;
   }
 
   // The rows [first, end) that may attend kv position j, clamped to [0,

@@ -50,7 +50,8 @@
 //   flash_impl/pairs.h         (avx512_bf16 only) bfloat16 products as pairs
 //   flash_impl/dropout.h       dropout factors of a row tile
 //   flash_impl/score_mods.h    the score variants on a row of a tile, vectorised
-//   flash_impl/mask_tiles.h    the bool mask's blocks classified: empty, full, partial
+//   flash_impl/mask_tiles.h    what a tile's rows attend: row spans; the bool mask's and
+//                              segments' blocks classified (empty, full, partial), segment runs
 //   flash_impl/forward.h       the forward pass
 //   flash_impl/backward.h      the backward pass
 

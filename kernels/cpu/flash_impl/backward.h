@@ -104,8 +104,7 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
     const uint32_t bh = static_cast<uint32_t>(b * p.heads + h);
     // Segments in runs bound each row's range instead of a test per element (forward.h).
     const EntryMask mask = tiles.bounded(entry_mask_of(p, b, h), b * p.heads + h);
-    const ScoreMod<A> mod_all = score_mod_of<A>(p.score, mask, b, h, p.heads);
-    const ScoreMod<A> masked = tiles.runs() ? mod_all.without_segments() : mod_all;
+    const ScoreMod<A> masked = tiles.score_mod<A>(p, mask, b, h);
     const ScoreMod<A> unmasked = masked.unmasked();  // for the full blocks of the bool mask and segments
     // d(bias) of this head's plane: dS itself (bias adds to the score).
     A* const dbias = p.score.dbias_plane<A>(b * p.heads + h);
@@ -163,16 +162,12 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
           const ScoreMod<A>& mod = cls == TileClass::full ? unmasked : masked;
           // Tiles that cross a row's limit (causal diagonal, per-row lengths,
           // a window's left edge, segment runs): row r attends positions
-          // [lb[r], nv[r]) of the tile (nv[r] = 0: none), kv position c is
-          // attended from local row kbeg[c] on at most.
-          const bool bounded = mask.hi_min(i0, i0 + mm) < j0 + n || mask.lo_max(i0, i0 + mm) > j0;
+          // [lb[r], nv[r]) of the tile (row_spans; [n, 0): none), kv position
+          // c is attended from local row kbeg[c] on at most.
+          const bool bounded = !mask.covers(i0, i0 + mm, j0, j0 + n);
           const int64_t *nvs = nullptr, *kbeg = nullptr;
           if (bounded) {
-            for (int64_t r = 0; r < mm; ++r) {
-              const int64_t lr = std::clamp<int64_t>(mask.lo(i0 + r) - j0, 0, n);
-              const int64_t nr = std::clamp<int64_t>(mask.hi(i0 + r) - j0, 0, n);
-              w.lb[r] = lr, w.nv[r] = nr > lr ? nr : 0;
-            }
+            row_spans(mask, i0, mm, j0, n, w.lb.data(), w.nv.data());
             for (int64_t c = 0; c < n; ++c) w.kbeg[c] = std::clamp<int64_t>(mask.rows_reaching(j0 + c).lo - i0, 0, mm);
             nvs = w.nv.data();
             kbeg = w.kbeg.data();

@@ -87,8 +87,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
   Operands& ops = w.ops;
   // Segments in runs bound each row's range instead of a test per element.
   const EntryMask mask = tiles.bounded(entry_mask_of(p, b, h), b * p.heads + h);
-  const ScoreMod<A> mod_all = score_mod_of<A>(p.score, mask, b, h, p.heads);
-  const ScoreMod<A> masked = tiles.runs() ? mod_all.without_segments() : mod_all;
+  const ScoreMod<A> masked = tiles.score_mod<A>(p, mask, b, h);
   const ScoreMod<A> unmasked = masked.unmasked();  // for the full tiles of the bool mask and segments
   const int64_t hk = h / p.group_size();
   const S* q = static_cast<const S*>(p.q) + b * p.q_strides.batch + h * p.q_strides.head;
@@ -137,14 +136,10 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
     // cross a row's limit (causal diagonal, per-row lengths, a window's left
     // edge, a segment run's ends) bound rows, and there the products skip the
     // blocks outside every row's range (rows with nothing here: [n, 0)).
-    const bool bounded = mask.hi_min(r0, rv) < j0 + n || mask.lo_max(r0, rv) > j0;
+    const bool bounded = !mask.covers(r0, rv, j0, j0 + n);
     const int64_t *lbs = nullptr, *nvs = nullptr;
     if (bounded) {
-      for (int64_t r = 0; r < m; ++r) {
-        const int64_t lb = std::clamp<int64_t>(mask.lo(r0 + r) - j0, 0, n);
-        const int64_t nv = std::clamp<int64_t>(mask.hi(r0 + r) - j0, 0, n);
-        w.lb[r] = nv > lb ? lb : n, w.nv[r] = nv > lb ? nv : 0;
-      }
+      row_spans(mask, r0, m, j0, n, w.lb.data(), w.nv.data());
       lbs = w.lb.data(), nvs = w.nv.data();
     }
     typename Operands::VMat vmat;

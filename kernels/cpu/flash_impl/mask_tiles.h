@@ -1,10 +1,27 @@
-// Block classification of the bool mask and of segment ids: which (rows,
+// What a tile's rows attend: each row's span of the tile (row_spans), and
+// the block classification of the bool mask and of segment ids: which (rows,
 // kv tile) blocks they forbid entirely (skipped), allow entirely (the
-// unmasked inner loop) or only in part (the per-element mask).
+// unmasked inner loop) or only in part (the per-element mask), with segment
+// ids in runs bounding each row instead (MaskTiles::bounded).
 // A part of cpu/flash_attention_impl.h, which says what includes it and how.
 #ifndef DIMATTN_CPU_FLASH_PARTS
 #error "included by cpu/flash_attention_impl.h only"
 #endif
+
+// ---------------------------------------------------------------------------
+// Row spans.
+
+// What rows [i0, i0 + m) attend of a tile's kv positions [j0, j0 + n): row r
+// positions [lb[r], nv[r]), and [n, 0) when none, so that an empty row
+// widens no product's bounds (micro_kernel.h's Ragged).
+inline void row_spans(const EntryMask& mask, int64_t i0, int64_t m, int64_t j0, int64_t n, int64_t* lb,
+                      int64_t* nv) {
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t lo = std::clamp<int64_t>(mask.lo(i0 + r) - j0, 0, n);
+    const int64_t hi = std::clamp<int64_t>(mask.hi(i0 + r) - j0, 0, n);
+    lb[r] = hi > lo ? lo : n, nv[r] = hi > lo ? hi : 0;
+  }
+}
 
 // ---------------------------------------------------------------------------
 // Mask tiles.
@@ -118,6 +135,13 @@ class MaskTiles {
     m.run_lo = run_lo_.data() + at;
     m.run_hi = run_hi_.data() + at;
     return m;
+  }
+  // The score variants of (b, h) whose mask is m (bounded()'s): without the
+  // per-element segment test when runs() bound the rows instead.
+  template <class A>
+  ScoreMod<A> score_mod(const AttentionKernelParams& p, const EntryMask& m, int64_t b, int64_t h) const {
+    const ScoreMod<A> mod = score_mod_of<A>(p.score, m, b, h, p.heads);
+    return runs() ? mod.without_segments() : mod;
   }
 
   // The class of rows [i0, i1) by kv positions [j0, j0 + bk) (clipped to the
