@@ -1,6 +1,23 @@
-"""Timing shared by the Python benchmarks (bench/*.py import it as a sibling module)."""
+"""Timing and machine facts shared by the Python benchmarks (bench/*.py import it as a sibling
+module)."""
+import platform
+import re
 import statistics
 import time
+
+
+def cpu_info():
+    """The CPU's model name and the vector flags the kernels' paths depend on (avx2, fma, avx512*,
+    amx*), space-separated: what every figure names."""
+    model, flags = platform.processor() or "?", set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name") and model in ("?", "x86_64", ""):
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags |= set(line.split(":", 1)[1].split())
+    shown = sorted(x for x in flags if re.fullmatch(r"avx2|fma|avx512[a-z_0-9]*|amx[a-z_0-9]*", x))
+    return model, " ".join(shown)
 
 
 def interleaved(fns, rounds, clock=time.perf_counter):

@@ -30,8 +30,6 @@ import argparse
 import datetime
 import os
 import pathlib
-import platform
-import re
 import sys
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # before torch reads it
@@ -44,7 +42,7 @@ try:
 except ModuleNotFoundError:  # run from a checkout without PYTHONPATH: its python/ (and build/python's library)
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "python"))
     import dimattn as da
-from bench_timing import interleaved
+from bench_timing import cpu_info, interleaved
 
 VARIANTS = ["causal", "window", "softcap", "alibi", "documents", "documents_segments", "window_documents"]
 LABELS = {
@@ -57,18 +55,6 @@ LABELS = {
     "window_documents": "causal + window 256 + 4 documents",
 }
 WINDOW, SOFTCAP, DOCUMENTS = 256, 30.0, 4
-
-
-def cpu_info():
-    model, flags = platform.processor() or "?", set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name") and model in ("?", "x86_64", ""):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags |= set(line.split(":", 1)[1].split())
-    shown = sorted(x for x in flags if re.fullmatch(r"avx2|fma|avx512[a-z_0-9]*|amx[a-z_0-9]*", x))
-    return model, " ".join(shown)
 
 
 class Problem:

@@ -21,7 +21,7 @@ import time
 import torch
 
 import dimattn as da
-from bench_timing import interleaved
+from bench_timing import cpu_info, interleaved
 
 
 def splits(T, quick):
@@ -56,11 +56,10 @@ def main():
         a.T, a.dtype, a.rounds = 256, "float32", 2
     torch.set_num_threads(a.threads)
     clock = time.process_time if a.cpu_time else time.perf_counter
-    flags = sorted({f for line in open("/proc/cpuinfo") if line.startswith("flags")
-                    for f in line.split(":")[1].split() if f.startswith("avx512") or f in ("avx2", "fma")})
     print(f"bench/packed_sequences.py T={a.T} heads={a.heads} D={a.D}, {a.threads} threads, {'CPU' if a.cpu_time else 'wall'} time, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {os.getloadavg()}")
-    print(f"CPU flags: {' '.join(flags)}\n")
+    model, flags = cpu_info()
+    print(f"CPU: {model}; flags: {flags}\n")
     print("| dtype | sequences | attended Σl²/T² | fwd ms packed / apart / one by one / full causal "
           "| packed, apart / one by one | packed / full, area "
           "| fwd+bwd ms packed / apart / one by one / full causal | packed, apart / one by one "

@@ -31,7 +31,7 @@ from returnn.tensor import Dim, Tensor
 
 import dimattn as da
 import dimattn.returnn as dr
-from bench_timing import interleaved
+from bench_timing import cpu_info, interleaved
 
 rf.select_backend_torch()
 LAYERS = {"causal": rf.CausalSelfAttention, "self": rf.SelfAttention}
@@ -152,6 +152,7 @@ def main():
         kind, T, dtype, variant = args.peak_of
         return measure_peak(kind, int(T), dtype, variant, args)
 
+    print("CPU: %s; flags: %s" % cpu_info())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()}; "
           f"B={args.batch} model={args.model} heads={args.heads}, forward + backward, no dropout, "
           f"{'CPU time of the calling thread' if args.cpu_time else 'wall clock'}")

@@ -20,6 +20,7 @@ import time
 import torch
 
 import dimattn as da
+from bench_timing import cpu_info
 
 
 def main():
@@ -72,6 +73,7 @@ def main():
             t0 = time.process_time()
             call()
             times[name].append(time.process_time() - t0)
+    print("CPU: %s; flags: %s" % cpu_info())
     print(f"torch {torch.__version__}, kernel {args.kernel}, 1 thread; B={B} H={H} D={D} float32, "
           f"chunk Tq={Tq}, history Tk={Tk}; forward + backward, {args.rounds} rounds")
     base = statistics.median(times["per-row, every row Tk"])
