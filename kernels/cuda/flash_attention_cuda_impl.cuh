@@ -328,6 +328,17 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
 
     for (int nb = nb_begin; nb < n_blocks; ++nb) {
       const int64_t n0 = int64_t{nb} * BN;
+      // Waits for this block's V and, once every warp is done with K, starts
+      // copying the next block's K.
+      auto next_k = [&] {
+        cp_async_wait<0>();
+        block_sync();
+        if (nb + 1 < n_blocks) {
+          const int64_t n1 = n0 + BN;
+          load_tile<T, D>(sK, kg + n1 * p.ks.row, p.ks.row, BN, min64(int64_t{BN}, n_end - n1));
+          cp_async_commit();
+        }
+      };
       // Positions at or after n_end are read by no row: zero-filled, so that
       // 0-weights never meet NaN or inf there.
       load_tile<T, D>(sV, vg + n0 * p.vs.row, p.vs.row, BN, min64(int64_t{BN}, n_end - n0));
@@ -344,13 +355,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
           i = e < 2 ? i0 : i1, j = n0 + t * 8 + tig * 2 + (e & 1);
         }, sFlags);
         if (cls == TileClass::empty) {
-          cp_async_wait<0>();  // this block's V, unread
-          block_sync();
-          if (nb + 1 < n_blocks) {
-            const int64_t n1 = n0 + BN;
-            load_tile<T, D>(sK, kg + n1 * p.ks.row, p.ks.row, BN, min64(int64_t{BN}, n_end - n1));
-            cp_async_commit();
-          }
+          next_k();  // this block's V unread
           continue;
         }
       }
@@ -421,13 +426,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const DeviceParams p)
         }
       }
 
-      cp_async_wait<0>();  // this block's V
-      block_sync();     // ... and every warp is done with K
-      if (nb + 1 < n_blocks) {
-        const int64_t n1 = n0 + BN;
-        load_tile<T, D>(sK, kg + n1 * p.ks.row, p.ks.row, BN, min64(int64_t{BN}, n_end - n1));
-        cp_async_commit();
-      }
+      next_k();
 
       // O += P V.
 #pragma unroll
