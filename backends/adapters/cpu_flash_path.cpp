@@ -42,6 +42,8 @@ GateResult cpu_flash_gate(const AttentionParams& p) {
   if (p.dtype != DType::float32 && p.dtype != DType::bfloat16 && p.dtype != DType::float16 && p.dtype != DType::float64)
     return GateResult::fail(std::string("does not take ") + dtype_name(p.dtype) +
                             "; float32, bfloat16, float16 or float64");
+  if (p.requires_grad && p.deterministic && p.variants.has(VariantKind::rel_pos))
+    return GateResult::fail("the gradients of relative positions are summed with atomics (not deterministic)");
   return GateResult::pass();
 }
 
@@ -74,10 +76,12 @@ FlashGrads flash_backward(Backend& be, const AttentionCall& c, const FlashLayout
   const ScoreOperands so = score_operands(be, c, pr, host_memory(be), want_dbias);
   set_forward_outputs(pr.p, out, lse);
   set_backward_tensors(pr.p, d, dq, dk, dv);
-  RawPtr dbias;
+  RawPtr dbias, dtable;
   if (want_dbias) dbias = bias_gradient_buffer(be, pr, c, host_memory(be), kCPU);
+  if (c.rel_pos && (!be.has_autograd() || c.variants.pos_emb->requires_grad()))
+    dtable = rel_pos_gradient_buffer(be, pr, c, host_memory(be), kCPU);
   run_kernel([&] { kernels::flash_attention_backward_cpu(pr.p, pf); });
-  return {g, std::move(pr.dsinks), dbias};
+  return {g, std::move(pr.dsinks), dbias, dtable, std::move(pr.dpos_u), std::move(pr.dpos_v)};
 }
 
 namespace {

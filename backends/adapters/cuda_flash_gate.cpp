@@ -18,6 +18,10 @@ GateResult cuda_flash_gate(const AttentionParams& p, bool compiled) {
     return GateResult::fail("takes head dim 64 or 128, got " + std::to_string(p.head_dim_qk));
   if (p.requires_grad && p.deterministic)
     return GateResult::fail("backward is not deterministic (dq is summed with float32 atomics)");
+  // DESIGN.md §8: no new variant before the kernel has run on a GPU.
+  if (p.variants.has(VariantKind::rel_pos))
+    return GateResult::fail("does not take relative positions (pos_emb) until it has run on a GPU; the reference "
+                            "path computes them");
   // Every layout class is taken: views whose strides or alignment the kernel
   // cannot read (last-dim stride != 1, rows not 16-byte aligned) are copied
   // once by the adapter, and counted.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <tuple>
 
 #include "dimattn/ext/layout.h"
 #include "dimattn/internal/check.h"
@@ -232,6 +233,20 @@ void flash_params(FlashParams& pr, const AttentionCall& c, const FlashLayout& l,
     pr.dsinks.assign(static_cast<size_t>(l.B * H), 0.0);
     p.score.dsinks = pr.dsinks.data();
   }
+  if (c.rel_pos) {  // the table's planes come with score_operands
+    kernels::RelPosParams& r = p.score.rel_pos;
+    r.rows = c.rel_pos->dim.extent(), r.center = c.rel_pos->center, r.step = c.rel_pos->step;
+    Dims order = per_head_dims(c);
+    order.push_back(c.key_dim);
+    auto per_head_rows = [&](const std::optional<Tensor>& t, std::vector<double>& values, std::vector<double>& grad) {
+      if (!t) return std::pair<const double*, double*>{nullptr, nullptr};
+      values = host_values(*t, order);
+      grad.assign(values.size(), 0.0);
+      return std::pair<const double*, double*>{values.data(), grad.data()};
+    };
+    std::tie(r.u, r.du) = per_head_rows(c.variants.pos_bias_u, pr.pos_u, pr.dpos_u);
+    std::tie(r.v, r.dv) = per_head_rows(c.variants.pos_bias_v, pr.pos_v, pr.dpos_v);
+  }
 }
 
 DType accumulation_dtype(const AttentionCall& c) {
@@ -260,7 +275,39 @@ ScoreOperands score_operands(Backend& be, const AttentionCall& c, FlashParams& p
     p.score.query_segments = ids(*c.variants.query_segments, s.query_segments, pr.qseg_offsets);
     p.score.kv_segments = ids(*c.variants.kv_segments, s.kv_segments, pr.kvseg_offsets);
   }
+  if (c.rel_pos) {
+    const Tensor& t = *c.variants.pos_emb;
+    const Dims order = rel_pos_table_order(c);
+    RawPtr raw = raw_in_order(kOp, t, order, false);
+    if (t.dtype() != c.query.dtype()) raw = be.cast(raw, c.query.dtype());
+    s.pos_emb = be.contiguous(raw);
+    const HostView v = mem(s.pos_emb);
+    auto stride_of = [&](const Dim& d) {
+      const auto at = std::find(order.begin(), order.end(), d);
+      return at == order.end() || d.extent() == 1 ? int64_t{0} : v.strides[static_cast<size_t>(at - order.begin())];
+    };
+    pr.table_offsets = per_head_offsets(c, stride_of);
+    p.score.rel_pos.table = {v.data, pr.table_offsets.data(), stride_of(c.rel_pos->dim), 1};
+  }
   return s;
+}
+
+Dims rel_pos_table_order(const AttentionCall& c) {
+  Dims order;
+  for (const Dim& d : c.variants.pos_emb->dims())
+    if (d != c.rel_pos->dim && d != c.key_dim) order.push_back(d);
+  order.push_back(c.rel_pos->dim);
+  order.push_back(c.key_dim);
+  return order;
+}
+
+RawPtr rel_pos_gradient_buffer(Backend& be, FlashParams& pr, const AttentionCall& c, const MemoryView& mem,
+                               Device device) {
+  Shape shape;
+  for (const Dim& d : rel_pos_table_order(c)) shape.push_back(d.extent());
+  RawPtr dtable = be.full(shape, 0.0, accumulation_dtype(c), device);
+  pr.p.score.rel_pos.dtable = mem(dtable).data;  // laid out as the contiguous table of score_operands
+  return dtable;
 }
 
 RawPtr bias_gradient_buffer(Backend& be, FlashParams& pr, const AttentionCall& c, const MemoryView& mem,
@@ -284,22 +331,31 @@ Tensor bias_gradient(Backend& be, const AttentionCall& c, const RawPtr& dbias) {
 
 Dims per_head_dims(const AttentionCall& c) { return join({batch_head_dims(c), c.query_groups}); }
 
-Tensor sinks_gradient(Backend& be, const AttentionCall& c, const std::vector<double>& dsinks) {
-  const Tensor& sinks = *c.variants.sinks;
-  // Each flat index's position in the sinks' own row-major order.
+Tensor per_head_gradient(Backend& be, const AttentionCall& c, const Tensor& like, const std::vector<double>& g,
+                         const Dims& inner) {
+  // Each flat index's position in like's own row-major order, then each
+  // inner index's (0 along a dim like lacks).
   Shape shape;
-  for (const Dim& d : sinks.dims()) shape.push_back(d.extent());
+  for (const Dim& d : like.dims()) shape.push_back(d.extent());
   std::vector<int64_t> dense(shape.size());
   int64_t n = 1;
   for (size_t a = shape.size(); a-- > 0;) dense[a] = n, n *= shape[a];
-  const std::vector<int64_t> at = per_head_offsets(c, [&](const Dim& d) {
-    const int a = sinks.axis_of(d);
+  auto stride_of = [&](const Dim& d) {
+    const int a = like.axis_of(d);
     return a < 0 ? int64_t{0} : dense[static_cast<size_t>(a)];
-  });
+  };
+  const std::vector<int64_t> at = per_head_offsets(c, stride_of);
+  std::vector<int64_t> in(1, 0);  // inner offsets, row-major over `inner`
+  for (const Dim& d : inner) {
+    std::vector<int64_t> next;
+    for (const int64_t o : in)
+      for (int64_t i = 0; i < d.extent(); ++i) next.push_back(o + i * stride_of(d));
+    in = std::move(next);
+  }
   std::vector<double> grad(static_cast<size_t>(n), 0.0);
-  for (size_t x = 0; x < dsinks.size(); ++x) grad[static_cast<size_t>(at[x])] += dsinks[x];
-  return Tensor(sinks.dims(), sinks.dtype(), sinks.device(),
-                be.from_host(shape, grad, sinks.dtype(), sinks.device()), &be);
+  for (size_t x = 0; x < at.size(); ++x)
+    for (size_t e = 0; e < in.size(); ++e) grad[static_cast<size_t>(at[x] + in[e])] += g[x * in.size() + e];
+  return Tensor(like.dims(), like.dtype(), like.device(), be.from_host(shape, grad, like.dtype(), like.device()), &be);
 }
 
 void set_forward_outputs(kernels::AttentionKernelParams& p, const HostView& out, const HostView& lse) {
@@ -452,14 +508,27 @@ AttentionBlockResult block_result(Backend& be, const AttentionCall& c, const Raw
   return {flash_output(be, c, out4), named(be, c, lse3, kernel_output_order(c, false), lse_dtype_of(c))};
 }
 
+AttentionVariants variant_grads(Backend& be, const AttentionCall& c, const FlashGrads& g) {
+  const AttentionVariants& v = c.variants;
+  AttentionVariants out;
+  if (v.sinks) out.sinks = per_head_gradient(be, c, *v.sinks, g.dsinks);
+  if (v.bias && g.dbias) out.bias = bias_gradient(be, c, g.dbias);
+  if (c.rel_pos && g.dpos_emb) {
+    const Tensor& t = *v.pos_emb;
+    const RawPtr d = t.dtype() == accumulation_dtype(c) ? g.dpos_emb : be.cast(g.dpos_emb, t.dtype());
+    out.pos_emb = Tensor(rel_pos_table_order(c), t.dtype(), t.device(), d, &be);
+  }
+  if (v.pos_bias_u) out.pos_bias_u = per_head_gradient(be, c, *v.pos_bias_u, g.dpos_u, {c.key_dim});
+  if (v.pos_bias_v) out.pos_bias_v = per_head_gradient(be, c, *v.pos_bias_v, g.dpos_v, {c.key_dim});
+  return out;
+}
+
 AttentionCallGrads call_grads(Backend& be, const AttentionCall& c, const FlashGrads& g) {
   const Dims kv_heads = batch_head_dims(c);
   const DType dt = c.query.dtype();
   return {named(be, c, g.inputs.q, join({kv_heads, c.query_groups, {c.query_spatial, c.key_dim}}), dt),
           named(be, c, g.inputs.k, join({kv_heads, {c.kv_spatial, c.key_dim}}), dt),
-          named(be, c, g.inputs.v, join({kv_heads, {c.kv_spatial}, c.value_feature}), dt),
-          c.variants.sinks ? std::optional<Tensor>(sinks_gradient(be, c, g.dsinks)) : std::nullopt,
-          c.variants.bias ? std::optional<Tensor>(bias_gradient(be, c, g.dbias)) : std::nullopt};
+          named(be, c, g.inputs.v, join({kv_heads, {c.kv_spatial}, c.value_feature}), dt), variant_grads(be, c, g)};
 }
 
 }  // namespace dimattn::detail

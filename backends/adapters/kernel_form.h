@@ -105,8 +105,12 @@ struct FlashParams {
   // Per (b, h) of the kernel (flat index b * H + h): ALiBi slopes, sink
   // logits, and d(sinks) written by the backward pass.
   std::vector<double> slopes, sinks, dsinks;
-  // Per (b, h): where the bias, mask and segment id planes start (score_operands).
-  std::vector<int64_t> bias_offsets, mask_offsets, qseg_offsets, kvseg_offsets;
+  // Per (b, h): where the bias, mask, segment id and relative-position
+  // table planes start (score_operands).
+  std::vector<int64_t> bias_offsets, mask_offsets, qseg_offsets, kvseg_offsets, table_offsets;
+  // Relative positions' u and v per (b, h) ([B * H][D], flat index b * H +
+  // h), and their gradients written by the backward pass.
+  std::vector<double> pos_u, pos_v, dpos_u, dpos_v;
   FlashParams() = default;
   FlashParams(const FlashParams&) = delete;
   FlashParams& operator=(const FlashParams&) = delete;
@@ -116,9 +120,12 @@ void flash_params(FlashParams& out, const AttentionCall& c, const FlashLayout& l
                   const HostView& k, const HostView& v);
 // The dims of the kernel's flat (b, h) index: B dims, kv head dims, query groups.
 Dims per_head_dims(const AttentionCall& c);
-// d(sinks) per (b, h) summed over the dims the call's sinks lack, as a tensor
-// over the sinks' dims on `be` (dtype and device of the sinks).
-Tensor sinks_gradient(Backend& be, const AttentionCall& c, const std::vector<double>& dsinks);
+// A gradient per (b, h) (then over `inner`, row-major: g holds
+// per_head_dims(c) then `inner`) summed over the dims `like` lacks, as a
+// tensor over like's dims on `be` (like's dtype and device): d(sinks), d(u),
+// d(v) of relative positions. pre: like's dims are per-head dims and `inner`.
+Tensor per_head_gradient(Backend& be, const AttentionCall& c, const Tensor& like, const std::vector<double>& g,
+                         const Dims& inner = {});
 // The call's bias, mask and segment ids as the kernels read them: the bias
 // in the accumulation type, the mask as bytes, the ids as int64, each with
 // its own strides (a
@@ -128,8 +135,11 @@ Tensor sinks_gradient(Backend& be, const AttentionCall& c, const std::vector<dou
 // it), with per-(b, h) plane offsets in pr and row and column strides, 0
 // where they lack a dim. The result keeps the memory alive; null members
 // when the call has no bias, mask or segments.
+// The relative positions' table (c.variants.pos_emb) the same way, in the
+// call's dtype, contiguous over rel_pos_table_order(c) (d(table) is laid out
+// as it).
 struct ScoreOperands {
-  RawPtr bias, mask, query_segments, kv_segments;
+  RawPtr bias, mask, query_segments, kv_segments, pos_emb;
 };
 ScoreOperands score_operands(Backend& be, const AttentionCall& c, FlashParams& pr, const MemoryView& mem,
                              bool dense_bias = false);
@@ -140,6 +150,13 @@ RawPtr bias_gradient_buffer(Backend& be, FlashParams& pr, const AttentionCall& c
                             Device device);
 // That buffer as the gradient of the call's bias: over its dims, in its dtype.
 Tensor bias_gradient(Backend& be, const AttentionCall& c, const RawPtr& dbias);
+// The table's dims as the kernels read it: its per-head dims (in its own
+// order), the relative-position dim, key_dim.
+Dims rel_pos_table_order(const AttentionCall& c);
+// d(table) for the kernel to write, as bias_gradient_buffer: zeros laid out as
+// score_operands' table. pre: score_operands ran.
+RawPtr rel_pos_gradient_buffer(Backend& be, FlashParams& pr, const AttentionCall& c, const MemoryView& mem,
+                               Device device);
 
 // out [B, H, Tq, Dv] and lse [B, H, Tq]: written by the forward pass, read by the backward pass.
 void set_forward_outputs(kernels::AttentionKernelParams& p, const HostView& out, const HostView& lse);
@@ -162,15 +179,21 @@ RawPtr in_kernel_form(Backend& be, const AttentionCall& c, const FlashLayout& l,
 // The kernel's out [B, H, Tq, Dv] and lse [B, H, Tq] as a block's result.
 AttentionBlockResult block_result(Backend& be, const AttentionCall& c, const RawPtr& out4, const RawPtr& lse3);
 // What a fused backward pass gives: dq, dk, dv in the shapes of
-// flash_inputs' q, k, v; with sinks, d(sinks) per (b, h) (sinks_gradient
+// flash_inputs' q, k, v; with sinks, d(sinks) per (b, h) (per_head_gradient
 // names it); with a bias whose gradient is wanted, d(bias) as
 // bias_gradient_buffer lays it out (else null).
+// With relative positions, d(table) as rel_pos_gradient_buffer lays it out
+// (null when not wanted) and d(u), d(v) per (b, h) as FlashParams holds them.
 struct FlashGrads {
   FlashInputs inputs;
   std::vector<double> dsinks;
   RawPtr dbias;
+  RawPtr dpos_emb;
+  std::vector<double> dpos_u, dpos_v;
 };
 // Those as the call's gradients (Backend::attention_backward).
 AttentionCallGrads call_grads(Backend& be, const AttentionCall& c, const FlashGrads& g);
+// The learnable variants' gradients of g alone, each over its tensor's dims.
+AttentionVariants variant_grads(Backend& be, const AttentionCall& c, const FlashGrads& g);
 
 }  // namespace dimattn::detail

@@ -34,12 +34,11 @@ struct FlashSaved {
 template <class Kernel>
 class FlashFunction : public torch::autograd::Function<FlashFunction<Kernel>> {
  public:
-  // sinks, bias: the call's sinks and bias tensors (empty without: autograd
-  // functions take no undefined inputs), inputs so that autograd routes
-  // their gradients to them; the kernels read their values through the call.
+  // learnable: the call's learnable variant tensors present, in field order
+  // (learnable_inputs), inputs so that autograd routes their gradients to
+  // them; the kernels read their values through the call.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const at::Tensor& /*sinks*/, const at::Tensor& /*bias*/,
-                            c10::intrusive_ptr<FlashCall> info) {
+                            const at::Tensor& v, at::TensorList /*learnable*/, c10::intrusive_ptr<FlashCall> info) {
     const FlashSaved s = Kernel::forward(*info, q, k, v);
     ctx->save_for_backward({s.q, s.k, s.v, s.out, s.lse});
     ctx->saved_data["info"] = at::IValue::make_capsule(std::move(info));
@@ -53,22 +52,37 @@ class FlashFunction : public torch::autograd::Function<FlashFunction<Kernel>> {
     const AttentionCall& call = info->call;
     const detail::FlashGrads g =
         Kernel::backward(*info, FlashSaved{saved[0], saved[1], saved[2], saved[3], saved[4]}, grads[0]);
-    at::Tensor dsinks, dbias;
-    if (call.variants.sinks) dsinks = as_aten(detail::sinks_gradient(*info->be, call, g.dsinks).raw());
-    if (g.dbias) dbias = as_aten(detail::bias_gradient(*info->be, call, g.dbias).raw());
-    return {as_aten(g.inputs.q), as_aten(g.inputs.k), as_aten(g.inputs.v), dsinks, dbias, at::Tensor()};
+    torch::autograd::variable_list out{as_aten(g.inputs.q), as_aten(g.inputs.k), as_aten(g.inputs.v)};
+    const AttentionVariants dvar = detail::variant_grads(*info->be, call, g);
+    AttentionVariants::for_each_learnable(call.variants, [&](const char* name, const std::optional<Tensor>& t) {
+      if (!t) return;
+      const std::optional<Tensor>& d = *dvar.tensor_field(name);
+      // Over the tensor's dims in its own order (the table's gradient comes in the kernel's).
+      out.push_back(d ? as_aten(raw_in_order("dot_attention", *d, t->dims(), false)) : at::Tensor());
+    });
+    out.push_back(at::Tensor());  // info
+    return out;
   }
 };
+
+// The call's learnable variant tensors present, in field order: FlashFunction's inputs.
+inline std::vector<at::Tensor> learnable_inputs(const AttentionCall& c) {
+  std::vector<at::Tensor> out;
+  AttentionVariants::for_each_learnable(c.variants, [&](const char*, const std::optional<Tensor>& t) {
+    if (t) out.push_back(as_aten(t->raw()));
+  });
+  return out;
+}
 
 // The call's output through FlashFunction<Kernel> on `in`, q, k and v in the
 // kernel's 4-d form.
 template <class Kernel>
 Tensor flash_function_output(TorchBackend& be, const AttentionCall& c, const detail::FlashLayout& l,
                              const detail::FlashInputs& in) {
-  auto input = [](const std::optional<Tensor>& t) { return t ? as_aten(t->raw()) : at::empty({0}); };
+  // A TensorList, not the vector: autograd counts each tensor of a list as an input.
+  const std::vector<at::Tensor> learnable = learnable_inputs(c);
   const at::Tensor out = FlashFunction<Kernel>::apply(as_aten(in.q), as_aten(in.k), as_aten(in.v),
-                                                      input(c.variants.sinks), input(c.variants.bias),
-                                                      c10::make_intrusive<FlashCall>(&be, c, l));
+                                                      at::TensorList(learnable), c10::make_intrusive<FlashCall>(&be, c, l));
   return detail::flash_output(be, c, wrap(out));
 }
 

@@ -36,7 +36,19 @@ VariantSet AttentionVariants::set() const {
   s.set(V::window, window.has_value()).set(V::softcap, softcap.has_value()).set(V::alibi, alibi_slopes.has_value());
   s.set(V::sinks, sinks.has_value() || sink_off_by_one).set(V::sinks_grad, sinks && sinks->requires_grad());
   s.set(V::bias, bias.has_value()).set(V::bias_grad, bias && bias->requires_grad());
-  return s.set(V::mask, mask.has_value()).set(V::segments, query_segments.has_value() || kv_segments.has_value());
+  s.set(V::mask, mask.has_value()).set(V::segments, query_segments.has_value() || kv_segments.has_value());
+  s.set(V::rel_pos, pos_emb.has_value());
+  return s.set(V::rel_pos_grad, (pos_emb && pos_emb->requires_grad()) || (pos_bias_u && pos_bias_u->requires_grad()) ||
+                                    (pos_bias_v && pos_bias_v->requires_grad()));
+}
+
+std::optional<Tensor>* AttentionVariants::tensor_field(std::string_view name) {
+  std::optional<Tensor>* out = nullptr;
+  for_each_field(*this, [&](const char* n, auto& field) {
+    if constexpr (std::is_same_v<std::remove_cvref_t<decltype(field)>, std::optional<Tensor>>)
+      if (name == n) out = &field;
+  });
+  return out;
 }
 
 void AttentionVariants::check_values(const char* op, bool causal) const {
@@ -57,6 +69,9 @@ void AttentionVariants::check_values(const char* op, bool causal) const {
                 " is set but ", query_segments ? "kv_segments" : "query_segments", " is not: a query row attends the kv ",
                 "positions whose segment id equals its own, so both sides need ids; in self-attention pass the ",
                 "same [batch, axis] tensor as both, else leave both unset");
+  DIMATTN_CHECK(pos_emb || (!pos_bias_u && !pos_bias_v), op, pos_bias_u ? "pos_bias_u" : "pos_bias_v",
+                " is set but pos_emb is not: the biases of relative positions add to the query of their terms ",
+                "(Transformer-XL's u and v); pass pos_emb, or add the bias to the query yourself");
 }
 
 namespace {
@@ -116,7 +131,8 @@ AttentionVariants checked_variants(const char* op, const AttentionVariants& v, c
   DIMATTN_CHECK(r.position || !v.positional(), op, v.window ? "a window" : "ALiBi",
                 " measures distance along the query's positional dim: pass query_position_dim (for causal attention, ",
                 "causal_query_spatial_dim); it is never guessed");
-  if (!v.alibi_slopes && !v.sinks && !v.bias && !v.mask && !v.query_segments) return v;  // a plain call makes no more vectors than it must
+  if (!v.alibi_slopes && !v.sinks && !v.bias && !v.mask && !v.query_segments && !v.pos_emb)
+    return v;  // a plain call makes no more vectors than it must
 
   // Slopes and sinks live on the call's per-(batch, head) dims.
   Dims per_head = *r.batch;
@@ -178,7 +194,58 @@ AttentionVariants checked_variants(const char* op, const AttentionVariants& v, c
     check_segments(out.query_segments, "query_segments", false);
     check_segments(out.kv_segments, "kv_segments", true);
   }
+  if (v.pos_emb) {
+    // The table: key_dim, per-head dims and one dim R of its own.
+    const Tensor& t = *v.pos_emb;
+    detail::common_backend(op, {&query, &t});
+    DIMATTN_CHECK(is_floating(t.dtype()), op, "pos_emb must be a floating tensor, got ", t.repr());
+    DIMATTN_CHECK(t.has(r.key_dim), op, "pos_emb ", repr(t.dims()), " lacks key_dim ", r.key_dim.repr(),
+                  ": each relative position's row is a vector over key_dim, as the keys' are");
+    Dims own;
+    for (const Dim& d : t.dims())
+      if (d != r.key_dim && (!contains(per_head, d) || (r.position && d == *r.position))) own.push_back(d);
+    DIMATTN_CHECK(own.size() == 1, op, "pos_emb ", repr(t.dims()), " needs exactly one relative-position dim besides ",
+                  "key_dim ", r.key_dim.repr(), " and per-head dims ", repr(per_head), ", found ", repr(own),
+                  "; its rows are the relative positions (extent Tq + Tk - 1), or the kv axis ", r.axis.repr(),
+                  " itself for one query position");
+    const Dim& rd = own[0];
+    if (rd == r.axis) {
+      DIMATTN_CHECK(r.kv_axis == r.axis, op, "pos_emb is over axis ", r.axis.repr(), " in self-attention, where ",
+                    "axis is both the query and the kv position; give it a relative-position dim of extent 2T - 1");
+    } else {
+      DIMATTN_CHECK(!query.has(rd) && !(r.position && rd == *r.position), op, "pos_emb's relative-position dim ",
+                    rd.repr(), " is a dim of the query ", repr(query.dims()), "; it must be a dim of its own");
+      DIMATTN_CHECK(r.position.has_value(), op, "pos_emb indexes its rows by j - i along the query's positional ",
+                    "dim: pass query_position_dim (for causal attention, causal_query_spatial_dim); it is never guessed");
+      const int64_t want = r.position->extent() + r.kv_axis.extent() - 1;
+      DIMATTN_CHECK(rd.extent() == want, op, "pos_emb's relative-position dim ", rd.repr(), " has extent ",
+                    rd.extent(), " but the query's positional dim ", r.position->repr(), " and the kv axis ",
+                    r.axis.repr(), " need Tq + Tk - 1 = ", want, " rows (row r is the relative position r - (Tq - 1))");
+    }
+    auto check_bias = [&](const std::optional<Tensor>& b, const char* what) {
+      if (!b) return;
+      detail::common_backend(op, {&query, &*b});
+      DIMATTN_CHECK(is_floating(b->dtype()), op, what, " must be a floating tensor, got ", b->repr());
+      for (const Dim& d : b->dims())
+        DIMATTN_CHECK(d == r.key_dim || (contains(per_head, d) && (!r.position || d != *r.position)), op, what, " ",
+                      repr(b->dims()), " has dim ", d.repr(), "; it varies over key_dim ", r.key_dim.repr(),
+                      " and per-head dims ", repr(per_head), " only (it is added to every query row)");
+    };
+    check_bias(v.pos_bias_u, "pos_bias_u");
+    check_bias(v.pos_bias_v, "pos_bias_v");
+  }
   return out;
+}
+
+std::optional<RelPosForm> rel_pos_form(const AttentionVariants& v, const VariantRoles& r) {
+  if (!v.pos_emb) return std::nullopt;
+  for (const Dim& d : v.pos_emb->dims()) {
+    if (d == r.key_dim) continue;
+    if (d == r.kv_axis) return RelPosForm{d, 0, 0};
+    if (d == r.axis || contains(*r.batch, d) || contains(*r.keys_only, d) || contains(*r.query_only, d)) continue;
+    return RelPosForm{d, r.position->extent() - 1, 1};
+  }
+  detail::fail("dot_attention", "internal error: pos_emb ", repr(v.pos_emb->dims()), " has no relative-position dim");
 }
 
 }  // namespace dimattn

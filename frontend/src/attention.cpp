@@ -165,10 +165,14 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
   Roles r = roles_of(query, keys, values, o);
   Positional p = positional_of(query, o, r);
   const bool causal = o.causal_query_spatial_dim.has_value();
-  AttentionVariants variants =
-      checked_variants(kOp, o.variants, {.query = &query, .batch = &r.batch, .query_only = &r.query_only,
-                                         .keys_only = &r.keys_only, .axis = o.axis, .kv_axis = r.kv_axis,
-                                         .position = p.position, .causal = causal});
+  const VariantRoles roles{.query = &query, .key_dim = o.key_dim, .batch = &r.batch, .query_only = &r.query_only,
+                           .keys_only = &r.keys_only, .axis = o.axis, .kv_axis = r.kv_axis,
+                           .position = p.position, .causal = causal};
+  AttentionVariants variants = checked_variants(kOp, o.variants, roles);
+  std::optional<RelPosForm> rel_pos = rel_pos_form(variants, roles);
+  DIMATTN_CHECK(!rel_pos || !o.positions, kOp, "pos_emb with positions (a block of a longer sequence, context ",
+                "parallelism) is not supported: the table's rows count from the call's own first query row; run ",
+                "the whole sequence in one call");
   if (variants.sink_off_by_one) {  // the kernels and the reference path see one kind of sink
     variants.sinks = scalar(0.0, options_like(query));
     variants.sink_off_by_one = false;
@@ -210,7 +214,8 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
                      .dropout_offset = 0,
                      .dropout_q_position = o.positions ? o.positions->query : 0,
                      .dropout_kv_position = o.positions ? o.positions->kv : 0,
-                     .variants = std::move(variants)};
+                     .variants = std::move(variants),
+                     .rel_pos = std::move(rel_pos)};
   return {std::move(call), dummy};
 }
 

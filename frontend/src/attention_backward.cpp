@@ -40,9 +40,12 @@ AttentionGrads backward(const char* op, const Tensor& query, const Tensor& keys,
   AttentionCallGrads g = query.backend().attention_backward(c, with_step(grad_output), m ? &*m : nullptr);
   if (dummy) g.query = squeeze(g.query, c.query_spatial);
   AttentionGrads out{to_input_dims(g.query, query, c, opts.axis), to_input_dims(g.keys, keys, c, opts.axis),
-                     to_input_dims(g.values, values, c, opts.axis), std::nullopt};
-  if (opts.variants.sinks && g.sinks) out.sinks = copy_transpose(*g.sinks, opts.variants.sinks->dims());  // not for the off-by-one sink
-  if (opts.variants.bias && g.bias) out.bias = to_input_dims(*g.bias, *opts.variants.bias, c, opts.axis);
+                     to_input_dims(g.values, values, c, opts.axis), {}};
+  // The caller's learnable tensors (not the off-by-one sink, which the call made a tensor).
+  AttentionVariants::for_each_learnable(g.variants, [&](const char* name, const std::optional<Tensor>& grad) {
+    const std::optional<Tensor>& given = *opts.variants.tensor_field(name);
+    if (grad && given) *out.variants.tensor_field(name) = to_input_dims(*grad, *given, c, opts.axis);
+  });
   return out;
 }
 

@@ -65,6 +65,35 @@ int64_t reference_memory_limit() { return limit_bytes(); }
 
 namespace detail {
 
+namespace {
+
+// The relative-position term of the energies (variants.h): scale * (q + v) .
+// pos_emb[center + j - step i] over [.., query, kv], from the [.., query, R]
+// products skewed as RETURNN's generic path does (a zero column in front,
+// rows merged and re-split one shorter; docs/api.md), never a [query, kv, R]
+// tensor. q in the computation dtype dt.
+Tensor rel_pos_energy(const AttentionCall& c, const Tensor& q, DType dt) {
+  const AttentionVariants& var = c.variants;
+  const RelPosForm& f = *c.rel_pos;
+  const Tensor qv = var.pos_bias_v ? add(q, cast(*var.pos_bias_v, dt)) : q;
+  const Tensor e = matmul(mul(qv, c.scale), cast(*var.pos_emb, dt), {c.key_dim});  // [.., query, R]
+  if (f.step == 0) return e;  // R is the kv axis: row j for every query row
+  const Dim& rows = c.query_spatial;
+  const Dim pad("rel_pos_pad", 1), fresh_rows("rel_pos_rows", rows.extent()), cols("rel_pos_cols", f.dim.extent());
+  Dims pad_dims = without(e.dims(), {f.dim});
+  pad_dims.push_back(pad);
+  const auto [padded, wide] = concat({{zeros(pad_dims, options_like(e)), pad}, {e, f.dim}});  // [.., query, 1 + R]
+  const auto [flat, all] = merge_dims(padded, {rows, wide});
+  // Dropping the first `rows` elements and splitting into rows of R puts
+  // row i's column center + j - i at column j.
+  const auto [shifted, rest] = slice(flat, all, rows.extent(), all.extent());
+  const Tensor skewed = split_dims(shifted, rest, {fresh_rows, cols});
+  const Tensor kept = slice(skewed, cols, 0, c.kv_spatial.extent(), c.kv_spatial).first;
+  return replace_dim(kept, fresh_rows, rows);
+}
+
+}  // namespace
+
 ReferenceAttention reference_attention(const AttentionCall& c) {
   // 16-bit inputs are computed in float32: the reference is the accurate side.
   const DType in_dtype = c.query.dtype();
@@ -95,10 +124,12 @@ ReferenceAttention reference_attention(const AttentionCall& c) {
     v = where(compare(range_over_dim(c.kv_spatial, options_like(v, DType::int64)), Compare::lt, reach), v, 0.0);
   }
 
-  // The order of docs/numerics.md: scale, soft-capping, bias and ALiBi,
+  // The order of docs/numerics.md: scale (of the content and the relative
+  // positions' terms), soft-capping, bias and ALiBi,
   // masks, softmax with the sink, dropout.
   const AttentionVariants& var = c.variants;
-  Tensor energy = matmul(mul(q, c.scale), k, {c.key_dim});
+  Tensor energy = matmul(mul(var.pos_bias_u ? add(q, cast(*var.pos_bias_u, dt)) : q, c.scale), k, {c.key_dim});
+  if (c.rel_pos) energy = add(energy, rel_pos_energy(c, q, dt));
   if (var.softcap) energy = mul(tanh(mul(energy, 1.0 / *var.softcap)), *var.softcap);
   if (var.bias) energy = add(energy, cast(*var.bias, dt));
 

@@ -245,6 +245,30 @@ struct HeadValues {
   DIMATTN_HD double at(int64_t b, int64_t h) const { return data[b * batch_stride + h * head_stride]; }
 };
 
+// Relative positions (Transformer-XL; attention_params.h): the raw score
+// q_i . k_j gains u . k_j + (q_i + v) . table[center + j - step * i] (the
+// call's scale applies to the sum). CPU kernel only: cuda_flash's gate
+// rejects the variant.
+struct RelPosParams {
+  // Planes of `rows` relative positions (row_stride apart) by head_dim
+  // (col_stride 1), of the call's element type, per (b, h) at offsets[bh].
+  // pre: 0 <= center + j - step * i < rows for every i < seqlen_q, j < seqlen_k.
+  ScorePlanes table;
+  int64_t rows = 0, center = 0, step = 1;  // step: 1 (row i shifts) or 0 (row j for every query row)
+  // [batch * heads][head_dim] dense, nullptr = 0.
+  const double* u = nullptr;
+  const double* v = nullptr;
+  // Backward outputs, zeroed by the caller, each element added to
+  // atomically: d(table) in the accumulation type laid out as `table`
+  // (offsets and strides; nullptr = not asked), d(u) and d(v) as u and v
+  // (nullptr = not asked).
+  void* dtable = nullptr;
+  double* du = nullptr;
+  double* dv = nullptr;
+
+  DIMATTN_HD bool on() const { return table.on(); }
+};
+
 // The score variants of a call and the gradients the backward pass writes
 // for the learnable ones (attention_params.h says what each means).
 struct ScoreParams {
@@ -264,6 +288,7 @@ struct ScoreParams {
   double* dsinks = nullptr;
   void* dbias = nullptr;
   bool dbias_shared = false;
+  RelPosParams rel_pos;
 
   DIMATTN_HD bool capped() const { return softcap > 0; }
   // d(bias) of plane bh, nullptr when not asked for.

@@ -32,6 +32,7 @@
 // are scaled by 1 / (1 - dropout_p); the softmax normaliser and lse are those
 // of the weights before dropout.
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -186,6 +187,10 @@ struct AttentionKernelParams {
   //   adds its gradient to its bias element, so broadcast dims are summed;
   //   dbias_shared when some elements receive several (b, h, i, j), which
   //   kernels then add atomically.
+  // - rel_pos: relative positions (RelPosParams): scale * (q_i . k_j +
+  //   u . k_j + (q_i + v) . table[center + j - step * i]) is the score
+  //   before soft-capping; the backward pass adds d(table), d(u) and d(v)
+  //   where asked.
   // Every pointer nullptr = off.
   ScoreParams score;
 
@@ -277,6 +282,17 @@ inline std::string AttentionKernelParams::validate(bool backward, ElementTypeSet
     return op + "query_segments and kv_segments are both set or both unset";
   if (score.query_segments.col_stride != 0 || score.kv_segments.row_stride != 0)
     return op + "query_segments vary over no kv position and kv_segments over no query row (strides 0 there)";
+  if (const RelPosParams& r = score.rel_pos; r.on()) {
+    if (r.table.row_stride < 0 || r.table.col_stride != 1)
+      return op + "rel_pos.table needs a row stride >= 0 and a column stride of 1";
+    if (r.step != 0 && r.step != 1) return op + "rel_pos.step must be 0 or 1, got " + std::to_string(r.step);
+    // The rows that (i, j) read: center + j - step * i over i < seqlen_q, j < seqlen_k.
+    const int64_t lo = r.center - r.step * std::max<int64_t>(seqlen_q - 1, 0), hi = r.center + seqlen_k - 1;
+    if (seqlen_q > 0 && seqlen_k > 0 && (lo < 0 || hi >= r.rows))
+      return op + "rel_pos reads table rows " + std::to_string(lo) + ".." + std::to_string(hi) + " but the table has " +
+             std::to_string(r.rows) + " (center " + std::to_string(r.center) + ", step " + std::to_string(r.step) + ")";
+    if (batch * heads > 0 && r.table.offsets == nullptr) return op + "rel_pos.table needs offsets ([batch * heads])";
+  }
   if (kv_row_lengths.row_stride < 0) return op + "kv_row_lengths needs a row stride >= 0";
   if (kv_row_lengths.on() && batch * heads > 0 && kv_row_lengths.offsets == nullptr)
     return op + "kv_row_lengths needs offsets ([batch * heads])";

@@ -8,7 +8,7 @@
 // instruction set, and the copies coexist in one library because their
 // namespaces differ (no ODR clash, so no AVX code can leak into the baseline
 // path). The includer provides, before opening its namespace: <algorithm>, <atomic>,
-// <cmath>, <cstdint>, <cstdlib>, <cstring>, <limits>, <memory>,
+// <cmath>, <cstdint>, <cstdlib>, <cstring>, <limits>, <memory>, <optional>,
 // <type_traits>, <utility>, <vector>, philox.h, attention_mask.h, attention_params.h, thread_pool.h and
 // flash_attention_heuristics.h; and in its namespace:
 //   vf, vd, vi      GCC vector types of one width (16 bytes portable, 32 on
@@ -52,6 +52,7 @@
 //   flash_impl/score_mods.h    the score variants on a row of a tile, vectorised
 //   flash_impl/mask_tiles.h    what a tile's rows attend: row spans; the bool mask's and
 //                              segments' blocks classified (empty, full, partial), segment runs
+//   flash_impl/rel_pos.h       relative positions: the band products along the diagonals
 //   flash_impl/forward.h       the forward pass
 //   flash_impl/backward.h      the backward pass
 
@@ -70,6 +71,7 @@
 #include "cpu/flash_impl/dropout.h"
 #include "cpu/flash_impl/score_mods.h"
 #include "cpu/flash_impl/mask_tiles.h"
+#include "cpu/flash_impl/rel_pos.h"
 #include "cpu/flash_impl/forward.h"
 #include "cpu/flash_impl/backward.h"
 #undef DIMATTN_CPU_FLASH_PARTS

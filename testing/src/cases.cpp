@@ -124,6 +124,7 @@ std::string CaseVariants::describe() const {
   if (!mask.empty()) s += " mask=" + mask;
   if (mask_docs > 0) s += " mask_docs=" + std::to_string(mask_docs);
   if (segment_docs > 0) s += " segments=" + std::to_string(segment_docs) + " over " + segments_over;
+  if (rel_pos) s += " rel_pos=" + (rel_pos->empty() ? std::string("shared") : *rel_pos) + (rel_pos_biases ? "+uv" : "");
   return s;
 }
 
@@ -152,9 +153,15 @@ std::optional<std::string> invalid_reason(const AttentionCase& c) {
   }
   if (c.lengths_over != "b" && c.lengths.empty()) return "lengths_over needs lengths";
   const CaseVariants& v = c.variants;
-  const bool positional = v.positional();
+  const bool positional = v.positional(c.kind);
   if (!c.offsets.empty() && !c.causal && !positional) return "causal offsets need causal attention, a window or ALiBi";
-  if (positional && c.kind == Kind::step) return "windows and ALiBi need the query's positional dim; a step has none";
+  if ((v.scalars.positional() || v.alibi) && c.kind == Kind::step)
+    return "windows and ALiBi need the query's positional dim; a step has none";
+  if (v.rel_pos)
+    for (char x : *v.rel_pos)
+      if (std::string("bhg").find(x) == std::string::npos || (x == 'g' && c.groups == 1))
+        return std::string("rel_pos varies over letters of bhg (g with groups > 1), got '") + x + "'";
+  if (v.rel_pos_biases && !v.rel_pos) return "rel_pos_biases need rel_pos";
   try {
     v.scalars.check_values("case", c.causal);
   } catch (const Error& e) {  // the library's own message, less its "[case] "
@@ -241,7 +248,7 @@ Operands make_operands(const AttentionCase& c, bool requires_grad) {
                buffer};
   if (c.causal && time) ops.opts.causal_query_spatial_dim = *time;
   const CaseVariants& v = c.variants;
-  if (!c.causal && time && v.positional()) ops.opts.query_position_dim = *time;
+  if (!c.causal && time && v.positional(c.kind)) ops.opts.query_position_dim = *time;
   ops.opts.variants = v.scalars;
   const TensorOptions floats{.dtype = c.dtype, .device = c.device, .backend = c.backend};
   auto per_head = [&](auto value) {
@@ -300,6 +307,17 @@ Operands make_operands(const AttentionCase& c, bool requires_grad) {
     };
     var.query_segments = ids(*time);
     var.kv_segments = c.kind == Kind::self ? *var.query_segments : ids(kv);
+  }
+  if (v.rel_pos) {
+    Dims dims;
+    for (char x : *v.rel_pos) dims.push_back(x == 'b' ? batch : x == 'h' ? heads : group);
+    dims.push_back(time ? Dim("rel", c.seq_q + c.seq_k - 1) : kv);
+    dims.push_back(feat);
+    var.pos_emb = operand(dims, c.seed + 5);
+    if (v.rel_pos_biases) {
+      var.pos_bias_u = operand({heads, feat}, c.seed + 6);
+      var.pos_bias_v = operand({heads, feat}, c.seed + 7);
+    }
   }
   if (c.offsets.size() == 1) ops.opts.causal_offset = scalar(static_cast<double>(c.offsets[0]), ints);
   if (c.offsets.size() > 1) ops.opts.causal_offset = from_host({batch}, as_doubles(c.offsets), ints);

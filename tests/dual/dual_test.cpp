@@ -316,6 +316,46 @@ void add_cpu_cases(std::vector<AttentionCase>& out) {
     out.push_back({.name = "segments_row_lengths_dropout" + s, .dtype = dt, .groups = 2, .seq_q = 300, .seq_k = 640,
                    .lengths = {640, 500}, .lengths_over = "bt", .dropout = 0.1, .variants = {.segment_docs = 200}});
   }
+  // Relative positions (pos_emb, Transformer-XL): one table per head or
+  // shared, with u and v, in self-attention (RETURNN's RelPosSelfAttention:
+  // a table of 2T - 1 rows) with padding, causal (RelPosCausalSelfAttention:
+  // per-row kv lengths of a hist dim, and a chunk after a history), dropout
+  // and broadcast dropout, GQA (a table per query head), cross-attention, a
+  // decoding step over a table of the kv dim itself (no shift), the other
+  // variants, and sizes past one tile of either pass (blocks that keep band
+  // columns from the last tile, and step tiles of the backward).
+  for (DType dt : {DType::float32, DType::float64, DType::bfloat16, DType::float16}) {
+    const std::string s = std::string("_") + dtype_name(dt);
+    const testing::CaseVariants rel{.rel_pos = "h", .rel_pos_biases = true};
+    out.push_back({.name = "rel_pos_self_lengths" + s, .dtype = dt, .kind = Kind::self, .seq_q = 9, .seq_k = 9,
+                   .lengths = {9, 5}, .variants = rel});
+    out.push_back({.name = "rel_pos_shared_no_biases" + s, .dtype = dt, .kind = Kind::self, .seq_q = 7, .seq_k = 7,
+                   .variants = {.rel_pos = ""}});
+    out.push_back({.name = "rel_pos_causal_dropout" + s, .dtype = dt, .kind = Kind::self, .seq_q = 9, .seq_k = 9,
+                   .causal = true, .lengths = {9, 6}, .dropout = 0.25, .variants = rel});
+    out.push_back({.name = "rel_pos_broadcast_dropout" + s, .dtype = dt, .kind = Kind::self, .seq_q = 8, .seq_k = 8,
+                   .lengths = {8, 3}, .dropout = 0.5, .broadcast_dropout = true, .variants = rel});
+    out.push_back({.name = "rel_pos_gqa_cross" + s, .dtype = dt, .groups = 2, .seq_q = 5, .seq_k = 9,
+                   .lengths = {9, 4}, .variants = {.rel_pos = "hg", .rel_pos_biases = true}});
+    out.push_back({.name = "rel_pos_chunk_after_history" + s, .dtype = dt, .seq_q = 4, .seq_k = 9, .causal = true,
+                   .lengths = {9, 6}, .offsets = {5, 2}, .variants = rel});
+    out.push_back({.name = "rel_pos_row_lengths" + s, .dtype = dt, .seq_q = 6, .seq_k = 9, .lengths = {9, 5},
+                   .lengths_over = "bt", .variants = rel});
+    out.push_back({.name = "rel_pos_step" + s, .dtype = dt, .kind = Kind::step, .lengths = {7, 3}, .variants = rel});
+    out.push_back({.name = "rel_pos_variants" + s, .dtype = dt, .kind = Kind::self, .seq_q = 9, .seq_k = 9,
+                   .causal = true, .lengths = {9, 6},
+                   .variants = {.scalars = {.window = AttentionWindow{4, {}}, .softcap = 2.0}, .sinks = true,
+                                .bias = "bhk", .rel_pos = "bh", .rel_pos_biases = true}});
+  }
+  for (DType dt : {DType::float32, DType::bfloat16}) {
+    const std::string s = std::string("_") + dtype_name(dt);
+    out.push_back({.name = "rel_pos_tiles" + s, .dtype = dt, .kind = Kind::self, .batch = 1, .seq_q = 300,
+                   .seq_k = 300, .head_dim = 16, .head_dim_v = 16, .lengths = {300},
+                   .variants = {.rel_pos = "h", .rel_pos_biases = true}});
+    out.push_back({.name = "rel_pos_tiles_causal_gqa" + s, .dtype = dt, .kind = Kind::self, .batch = 1, .groups = 2,
+                   .seq_q = 300, .seq_k = 300, .head_dim = 16, .head_dim_v = 16, .causal = true, .dropout = 0.1,
+                   .variants = {.rel_pos = "", .rel_pos_biases = true}});
+  }
   out.push_back({.name = "t1", .seq_q = 1, .seq_k = 1});
   out.push_back({.name = "odd_head_dims", .head_dim = 5, .head_dim_v = 3});
   out.push_back({.name = "d128", .kind = Kind::self, .batch = 1, .seq_q = 16, .seq_k = 16, .head_dim = 128,
@@ -424,19 +464,21 @@ Operands on_backend(Operands ops, const std::string& backend) {
   } else {
     for (Tensor* t : {&ops.q, &ops.k, &ops.v}) *t = to_backend(*t, backend);
   }
-  for (std::optional<Tensor>* t :
-       {&ops.opts.causal_offset, &ops.opts.variants.alibi_slopes, &ops.opts.variants.sinks, &ops.opts.variants.bias, &ops.opts.variants.mask,
-        &ops.opts.variants.query_segments, &ops.opts.variants.kv_segments})
-    if (*t) **t = to_backend(**t, backend);
+  if (ops.opts.causal_offset) ops.opts.causal_offset = to_backend(*ops.opts.causal_offset, backend);
+  AttentionVariants::for_each_field(ops.opts.variants, [&](const char*, auto& field) {
+    if constexpr (std::is_same_v<std::remove_cvref_t<decltype(field)>, std::optional<Tensor>>)
+      if (field) field = to_backend(*field, backend);
+  });
   return ops;
 }
 
 // The inputs gradients are checked for: q, k, v, then the learnable variant
-// tensors the case has (sinks, bias).
+// tensors the case has (sinks, bias, pos_emb, pos_bias_u, pos_bias_v).
 std::vector<std::string> grad_names(const Operands& ops) {
   std::vector<std::string> n = {"q", "k", "v"};
-  if (ops.opts.variants.sinks) n.push_back("sinks");
-  if (ops.opts.variants.bias) n.push_back("bias");
+  AttentionVariants::for_each_learnable(ops.opts.variants, [&](const char* name, const std::optional<Tensor>& t) {
+    if (t) n.push_back(name);
+  });
   return n;
 }
 
@@ -457,8 +499,9 @@ RunResult run(Operands ops, const std::string& force) {
   const bool grad = ops.q.backend().has_autograd();
   // Packed operands: the buffer is the leaf, q, k and v stay its views.
   std::vector<Tensor*> leaves = ops.buffer ? std::vector<Tensor*>{&*ops.buffer} : std::vector<Tensor*>{&ops.q, &ops.k, &ops.v};
-  if (ops.opts.variants.sinks) leaves.push_back(&*ops.opts.variants.sinks);
-  if (ops.opts.variants.bias) leaves.push_back(&*ops.opts.variants.bias);
+  AttentionVariants::for_each_learnable(ops.opts.variants, [&](const char*, std::optional<Tensor>& t) {
+    if (t) leaves.push_back(&*t);
+  });
   if (grad) {
     for (Tensor* t : leaves) *t = fresh_leaf(*t).requires_grad(true);
     if (ops.buffer) repack(ops);
@@ -489,8 +532,9 @@ std::vector<Tensor> backward_grads(const Operands& ops) {
   set_random_seed(1234);
   const AttentionGrads g = dot_attention_backward(ops.q, ops.k, ops.v, ops.opts, ops.w);
   std::vector<Tensor> out = {g.query, g.keys, g.values};
-  for (const std::optional<Tensor>& t : {g.sinks, g.bias})
+  AttentionVariants::for_each_learnable(g.variants, [&](const char*, const std::optional<Tensor>& t) {
     if (t) out.push_back(*t);
+  });
   return out;
 }
 

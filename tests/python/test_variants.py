@@ -1,5 +1,5 @@
 """The attention variants from Python (windows, soft-capping, ALiBi, sinks, bias,
-mask, segments): against the forced reference path and a plain torch implementation,
+mask, segments, relative positions): against the forced reference path and a plain torch implementation,
 gradcheck including the sinks and the bias (summed over the dims it is broadcast
 along), opcheck, torch.compile, repeated calls, and bad input."""
 import dataclasses
@@ -42,9 +42,14 @@ CASES = {
     "bias_mask_lengths": dict(lengths=[7, 4], bias=["heads", "kv"], mask=["batch", "q", "kv"], empty_row=0),
     "segments_causal_self": dict(self=True, lengths=[6, 4], causal=True, segments=True),
     "segments_cross_window": dict(offset=[2, 3], window=(3, 1), segments=True),
+    "rel_pos_self_lengths": dict(self=True, lengths=[6, 4], rel_pos=True),
+    "rel_pos_causal_offset": dict(causal=True, offset=[4, 2], lengths=[7, 6], rel_pos=True),
     "all": dict(causal=True, offset=[4, 2], lengths=[7, 5], window=(3, None), softcap=1.5, alibi=True, sinks=True,
-                bias=["heads", "q", "kv"], mask=["batch", "q", "kv"], empty_row=2, segments=True),
+                bias=["heads", "q", "kv"], mask=["batch", "q", "kv"], empty_row=2, segments=True, rel_pos=True),
 }
+# Relative positions (rel_pos): a table [heads, rel, feat] of tq + tk - 1 rows (row r
+# is j - i = r - (tq - 1)) and pos_bias_u, pos_bias_v over [heads, feat].
+LEARNABLE = ("sinks", "bias", "pos_emb", "pos_bias_u", "pos_bias_v")
 
 
 def aligned(raw, roles):
@@ -93,39 +98,55 @@ class Case:
         elif c.get("segments"):
             self.qseg = da.Tensor(torch.tensor(SEG_Q, dtype=torch.int32), [batch, self.tq])
             self.kvseg = da.Tensor(torch.tensor(SEG_KV), [batch, self.kv])
+        self.pos_emb = self.pos_bias_u = self.pos_bias_v = None
+        if c.get("rel_pos"):
+            rows = tq_size + tk_size - 1
+            self.pos_emb = named([heads, (da.Dim("rel", rows), rows), feat], 6, dtype, requires_grad)
+            self.pos_bias_u = named([heads, feat], 7, dtype, requires_grad)
+            self.pos_bias_v = named([heads, feat], 8, dtype, requires_grad)
         kw = dict(key_dim=feat, axis=self.kv, window=c.get("window"), softcap=c.get("softcap"),
                   alibi_slopes=self.slopes, sinks=self.sinks, sink_off_by_one=c.get("off_by_one", False),
-                  bias=self.bias, mask=self.mask, query_segments=self.qseg, kv_segments=self.kvseg)
+                  bias=self.bias, mask=self.mask, query_segments=self.qseg, kv_segments=self.kvseg,
+                  pos_emb=self.pos_emb, pos_bias_u=self.pos_bias_u, pos_bias_v=self.pos_bias_v)
         if c.get("causal"):
             kw["causal_query_spatial_dim"] = self.tq
-        elif c.get("window") or c.get("alibi"):
+        elif c.get("window") or c.get("alibi") or c.get("rel_pos"):
             kw["query_position_dim"] = self.tq
         if c.get("offset"):
             kw["causal_offset"] = da.Tensor(torch.tensor(c["offset"]), [batch])
         self.kwargs = kw
 
     def learnable(self):
-        """The case's learnable tensors, in the order call() takes them: sinks, bias."""
-        return [t for t in (self.sinks, self.bias) if t is not None]
+        """The case's learnable tensors, in the order call() takes them (LEARNABLE's)."""
+        return [t for t in (getattr(self, name) for name in LEARNABLE) if t is not None]
 
     def call(self, q=None, k=None, v=None, *learned):
         """dot_attention, the result as raw [batch, heads, tq, vfeat]; q, k, v and the
         learnable tensors may be raw replacements (for gradcheck)."""
         kw = dict(self.kwargs)
-        for key, raw in zip([name for name in ("sinks", "bias") if kw[name] is not None], learned):
+        for key, raw in zip([name for name in LEARNABLE if kw[name] is not None], learned):
             kw[key] = da.Tensor(raw, kw[key].dims)
         out = da.dot_attention(self.q if q is None else da.Tensor(q, self.q.dims),
                                self.k if k is None else da.Tensor(k, self.k.dims),
                                self.v if v is None else da.Tensor(v, self.v.dims), **kw)
         return out.raw_in([self.batch, self.heads, self.tq, self.vfeat])
 
-    def plain(self, bias=None):
-        """The documented semantics in plain torch, in the documented order: scale ->
-        softcap -> + bias + ALiBi -> masks (padding, causal, window, mask, segments) -> softmax
-        with the sink. `bias`: a raw replacement of the case's (for its gradient)."""
+    def plain(self, bias=None, rel=None):
+        """The documented semantics in plain torch, in the documented order: scale (of
+        the content and relative-position terms) -> softcap -> + bias + ALiBi -> masks
+        (padding, causal, window, mask, segments) -> softmax with the sink. `bias`, `rel`
+        (table, u, v): raw replacements of the case's (for their gradients)."""
         c = self.c
         q, k, v = self.q.raw.detach(), self.k.raw.detach(), self.v.raw.detach()
-        e = q @ k.transpose(-1, -2) / math.sqrt(D)
+        if c.get("rel_pos"):  # scale * ((q + u) . k_j + (q + v) . table[tq - 1 + j - i])
+            table, u, pv = rel or (self.pos_emb.raw.detach(), self.pos_bias_u.raw.detach(),
+                                   self.pos_bias_v.raw.detach())
+            tq, tk = q.shape[2], k.shape[2]
+            table = table[:, tq - 1 + torch.arange(tk)[None, :] - torch.arange(tq)[:, None]]
+            e = ((q + u[None, :, None]) @ k.transpose(-1, -2)
+                 + torch.einsum("bhid,hijd->bhij", q + pv[None, :, None], table)) / math.sqrt(D)
+        else:
+            e = q @ k.transpose(-1, -2) / math.sqrt(D)
         if c.get("softcap"):
             e = c["softcap"] * torch.tanh(e / c["softcap"])
         if c.get("bias"):
@@ -235,8 +256,9 @@ GRAD_CASES = [(name, "auto") for name in ("window_two_sided_offset", "softcap", 
                                           "sinks_lengths_empty_entry", "off_by_one_causal_self", "bias_heads_q_kv",
                                           "bias_kv", "bias_over_kv_position_self", "mask_q_kv_empty_row",
                                           "bias_mask_lengths", "segments_causal_self", "segments_cross_window",
-                                          "all")]
-GRAD_CASES += [(name, "reference") for name in ("sinks_lengths_empty_entry", "bias_kv", "bias_mask_lengths", "all")]
+                                          "rel_pos_self_lengths", "rel_pos_causal_offset", "all")]
+GRAD_CASES += [(name, "reference") for name in ("sinks_lengths_empty_entry", "bias_kv", "bias_mask_lengths",
+                                                "rel_pos_causal_offset", "all")]
 
 
 @pytest.mark.parametrize("name,kernel", GRAD_CASES)
@@ -247,7 +269,7 @@ def test_gradcheck_float64(name, kernel):
         assert torch.autograd.gradcheck(lambda *xs: case.call(*xs), tuple(inputs))
 
 
-@pytest.mark.parametrize("name", ["all", "bias_kv", "bias_over_kv_position_self"])
+@pytest.mark.parametrize("name", ["all", "bias_kv", "bias_over_kv_position_self", "rel_pos_self_lengths"])
 def test_learnable_gradients_agree_between_kernels_and_with_plain_torch(name):
     grads = []
     for kernel in ("reference", "cpu_flash"):
@@ -258,12 +280,20 @@ def test_learnable_gradients_agree_between_kernels_and_with_plain_torch(name):
     for reference, flash in zip(*grads):
         assert reference.abs().max() > 1e-3
         assert (reference - flash).abs().max() <= 2e-10
-    # The bias's is plain torch's, in the bias's own shape: summed over the
-    # dims it is broadcast along.
-    bias = case.bias.raw.detach().clone().requires_grad_(True)
-    (want,) = torch.autograd.grad(case.plain(bias).sin().sum(), bias)
-    assert grads[0][-1].shape == bias.shape
-    assert (grads[0][-1] - want).abs().max() <= 1e-10
+    # The bias's and the relative positions' are plain torch's, in their own
+    # shapes (the bias's summed over the dims it is broadcast along).
+    names = [n for n in LEARNABLE if getattr(case, n) is not None]
+    if case.bias is not None:
+        bias = case.bias.raw.detach().clone().requires_grad_(True)
+        (want,) = torch.autograd.grad(case.plain(bias).sin().sum(), bias)
+        got = grads[0][names.index("bias")]
+        assert got.shape == bias.shape and (got - want).abs().max() <= 1e-10
+    if case.pos_emb is not None:
+        rel = [getattr(case, n).raw.detach().clone().requires_grad_(True) for n in LEARNABLE[2:]]
+        want = torch.autograd.grad(case.plain(rel=rel).sin().sum(), rel)
+        for name, w in zip(LEARNABLE[2:], want):
+            got = grads[0][names.index(name)]
+            assert got.shape == w.shape and (got - w).abs().max() <= 1e-10, name
 
 
 @pytest.mark.parametrize("name", ["all", "window_causal_self", "off_by_one_causal_self", "bias_kv",

@@ -16,6 +16,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -36,7 +37,9 @@ struct AttentionWindow {
 // The variants of a call as kernel selection sees them: which are on, never
 // their sizes or values (AttentionParams::variants, the plan cache's key,
 // each gate's rejection by name).
-enum class VariantKind : uint8_t { window, softcap, alibi, sinks, sinks_grad, bias, bias_grad, mask, segments, count_ };
+enum class VariantKind : uint8_t {
+  window, softcap, alibi, sinks, sinks_grad, bias, bias_grad, mask, segments, rel_pos, rel_pos_grad, count_
+};
 
 // Its short name (describe(), `dimattn explain`) and what it is in words (errors).
 inline const std::pair<const char*, const char*>& variant_names(VariantKind v) {
@@ -45,7 +48,8 @@ inline const std::pair<const char*, const char*>& variant_names(VariantKind v) {
       {"alibi", "ALiBi"},                      {"sinks", "attention sinks"},
       {"sinks_grad", "a gradient of sinks"},   {"bias", "an additive bias"},
       {"bias_grad", "a gradient of a bias"},   {"mask", "a boolean mask"},
-      {"segments", "segment ids (document masking)"}};
+      {"segments", "segment ids (document masking)"},
+      {"rel_pos", "relative positions (pos_emb)"}, {"rel_pos_grad", "a gradient of relative positions"}};
   static_assert(std::size(kNames) == static_cast<size_t>(VariantKind::count_), "one name per VariantKind");
   return kNames[static_cast<size_t>(v)];
 }
@@ -106,6 +110,21 @@ struct AttentionVariants {
   // in the query) one tensor over [batch, axis] serves as both: the query
   // side reads `axis` as the query position, the kv side as the kv position.
   std::optional<Tensor> query_segments, kv_segments;
+  // Relative positions (Transformer-XL, RETURNN's rel_pos_self_attention;
+  // docs/api.md, "Relative positions"): the energy of query row i and kv
+  // position j gains (q_i + pos_bias_v) . pos_emb[c + j - i] inside the
+  // scale, and pos_bias_u joins the content term:
+  //   energy = scale * ((q_i + u) . k_j + (q_i + v) . pos_emb[c + j - i]).
+  // pos_emb is over key_dim, one relative-position dim R and any of the
+  // call's per-head dims (batch dims, keys-only dims, query groups: heads).
+  // R of extent Tq + Tk - 1 (RETURNN's pos_emb_spatial_dim: row r is the
+  // relative position r - (Tq - 1), so c = Tq - 1, Tq the extent of the
+  // query's positional dim, which the call must name) or R == axis, the kv
+  // dim itself: then row j serves every query row (no shift, RETURNN's
+  // single step). pos_bias_u and pos_bias_v: over key_dim and per-head dims;
+  // each needs pos_emb. All three learnable; 16-bit tables are read as the
+  // call's dtype.
+  std::optional<Tensor> pos_emb, pos_bias_u, pos_bias_v;
 
   // fn(name, field) for every field, in declaration order: how the Python
   // op's schema, its decoding, context parallelism's agreement and the CLI
@@ -121,11 +140,33 @@ struct AttentionVariants {
     fn("mask", v.mask);
     fn("query_segments", v.query_segments);
     fn("kv_segments", v.kv_segments);
+    fn("pos_emb", v.pos_emb);
+    fn("pos_bias_u", v.pos_bias_u);
+    fn("pos_bias_v", v.pos_bias_v);
   }
 
   // Whether the tensor field of this name gets a gradient (the sinks, the
-  // bias); the other tensors are constants (ALiBi's slopes, the mask, segments).
-  static bool learnable(std::string_view field) { return field == "sinks" || field == "bias"; }
+  // bias, the relative positions' table and biases); the other tensors are
+  // constants (ALiBi's slopes, the mask, segments).
+  static bool learnable(std::string_view field) {
+    return field == "sinks" || field == "bias" || field == "pos_emb" || field == "pos_bias_u" ||
+           field == "pos_bias_v";
+  }
+
+  // fn(name, field) for each learnable tensor field, in field order.
+  template <class Self, class F>
+  static void for_each_learnable(Self& v, F&& fn) {
+    for_each_field(v, [&](const char* name, auto& field) {
+      if constexpr (std::is_same_v<std::remove_cvref_t<decltype(field)>, std::optional<Tensor>>)
+        if (learnable(name)) fn(name, field);
+    });
+  }
+
+  // The tensor field of this name, nullptr for a name of no tensor field.
+  std::optional<Tensor>* tensor_field(std::string_view name);
+  const std::optional<Tensor>* tensor_field(std::string_view name) const {
+    return const_cast<AttentionVariants*>(this)->tensor_field(name);
+  }
 
   // Which are on (a learnable tensor that requires grad adds its *_grad kind).
   VariantSet set() const;
@@ -152,6 +193,7 @@ struct AttentionVariants {
 // derives them from the operands' dims.
 struct VariantRoles {
   const Tensor* query;     // for backends, devices and hints in messages
+  Dim key_dim;
   const Dims* batch;       // dims shared by query and keys/values
   const Dims* query_only;  // the query's own dims
   const Dims* keys_only;   // keys'/values' own dims but value features
@@ -165,5 +207,16 @@ struct VariantRoles {
 // Returns the variants as the call's kernels see them: a bias, mask or
 // kv_segments over `axis` relabelled to the kv side of self-attention.
 AttentionVariants checked_variants(const char* op, const AttentionVariants& v, const VariantRoles& roles);
+
+// How a call's relative positions index their table (pos_emb): query row i
+// and kv position j read row center + j - step * i of `dim` (R).
+struct RelPosForm {
+  Dim dim;
+  int64_t center = 0, step = 1;
+};
+// The form of checked variants' pos_emb (nullopt without one) for a call
+// with these roles: R == the kv axis reads row j (center 0, step 0), else
+// center = extent(position) - 1, step 1.
+std::optional<RelPosForm> rel_pos_form(const AttentionVariants& checked, const VariantRoles& roles);
 
 }  // namespace dimattn

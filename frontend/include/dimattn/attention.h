@@ -90,8 +90,10 @@ Tensor dot_attention(const Tensor& query, const Tensor& keys, const Tensor& valu
 // call, so that the same mask is drawn.
 struct AttentionGrads {
   Tensor query, keys, values;  // dims as the inputs
-  std::optional<Tensor> sinks;  // with opts.sinks: over its dims
-  std::optional<Tensor> bias;   // with opts.bias: over its dims
+  // The gradients of opts.variants' learnable tensors (sinks, bias, pos_emb,
+  // pos_bias_u, pos_bias_v; AttentionVariants::learnable), each in the field
+  // of its tensor, over its dims; the other fields unset.
+  AttentionVariants variants;
 };
 AttentionGrads dot_attention_backward(const Tensor& query, const Tensor& keys, const Tensor& values,
                                       const AttentionOptions& opts, const Tensor& grad_output);

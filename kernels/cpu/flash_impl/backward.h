@@ -71,7 +71,8 @@ struct BackwardScratch {
 // written directly.
 template <class S, class A>
 void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, const MaskTiles& tiles,
-                   const BackwardPlan& plan, int64_t b, int64_t hk, int64_t chunk, A* share, BackwardScratch<S, A>& w) {
+                   const BackwardPlan& plan, int64_t b, int64_t hk, int64_t chunk, A* share, BackwardScratch<S, A>& w,
+                   RelPosBackward<S, A>* rel) {
   constexpr int W = Simd<A>::W;
   constexpr A kInf = std::numeric_limits<A>::infinity();
   const int64_t D = p.head_dim, Dv = p.head_dim_v, Tq = p.seqlen_q, G = p.group_size();
@@ -131,6 +132,7 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
         w.di[r] = acc;
       }
       if (!share) fill(dq + i_start * dp, rows * dp, A(0));
+      if (rel) rel->begin(p, b, h, q, p.q_strides.row, i_start, i_end, k, krs, kc0, kend);
 
       for (int64_t j0 = kc0; j0 < kend; j0 += plan.bk) {
         const int64_t n = std::min(plan.bk, kend - j0), np = round_up(n, W);
@@ -176,6 +178,7 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
 
           // P = exp(scale * Q K^T - lse), recomputed; 0 past each row's prefix.
           ops.scores(r0, mm, np, w.s, nvs);
+          if (rel) rel->add_scores(i0, mm, j0, n, np, w.s, ldk);
           // The next q block's rows of Q, dO and dQ come from L3 for long
           // sequences: ask for them while this block computes.
           const int64_t next_rows = std::min(plan.bq, i_end - (i0 + plan.bq));
@@ -244,8 +247,10 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
           if (drop.on) x = w.x;
           // dV += X^T dO, dK += dS^T Q and dQ += dS K (dK, dQ scaled at the end).
           ops.accumulate(r0, mm, n, x, w.dpt, dv_t, dk_t, dq + i0 * dp, kbeg, nvs);
+          if (rel) rel->add_grads(i0, mm, j0, n, np, w.dpt, ldk, dq + i0 * dp, dk_t, k, krs);
         }
       }
+      if (rel) rel->end(p, b, h, scale);
     }
 
     if (!share) {
@@ -331,12 +336,15 @@ void backward(const AttentionKernelParams& p, const ParallelFor& parallel_for) {
   const MaskTiles tiles(p, plan.bk, parallel_for);
   parallel_for(0, groups * C, [&](int64_t t0, int64_t t1) {
     BackwardScratch<S, A> w(p, plan);
+    std::optional<RelPosBackward<S, A>> rel;
+    if (p.score.rel_pos.on()) rel.emplace(p, plan.bq, plan.bk, plan.chunk_len);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t grp = t / C, ci = t % C;
       // Under causal masking early kv chunks have more query rows: alternate.
       const int64_t chunk = p.causal ? (ci % 2 == 0 ? ci / 2 : C - 1 - ci / 2) : ci;
       A* share = C > 1 ? shares.get() + (grp * C + chunk) * share_len : nullptr;
-      backward_task<S, A>(p, drop, tiles, plan, grp / p.kv_heads, grp % p.kv_heads, chunk, share, w);
+      backward_task<S, A>(p, drop, tiles, plan, grp / p.kv_heads, grp % p.kv_heads, chunk, share, w,
+                          rel ? &*rel : nullptr);
     }
   });
   if (C == 1) return;

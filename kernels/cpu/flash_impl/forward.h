@@ -77,9 +77,10 @@ struct ForwardScratch {
 };
 
 // Rows [r0, r1) of (b, h).
+// rel: the relative positions' term (rel_pos.h), or nullptr without them.
 template <class S, class A>
 void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, const MaskTiles& tiles, int64_t b,
-                   int64_t h, int64_t r0, int64_t r1, ForwardScratch<S, A>& w) {
+                   int64_t h, int64_t r0, int64_t r1, ForwardScratch<S, A>& w, RelPosForward<S, A>* rel) {
   constexpr int W = Simd<A>::W;
   constexpr A kInf = std::numeric_limits<A>::infinity();
   const int64_t D = p.head_dim, Dv = p.head_dim_v, dvp = w.dvp, ldk = w.ldk;
@@ -112,6 +113,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
   const A qmul = static_cast<A>(p.scale * 1.4426950408889634);
   ops.pack_q(q + r0 * qrs, qrs, m, qmul);
   const A smul = ops.score_mul();  // what the products' scores are still to be multiplied by
+  if (rel) rel->begin(p, b, h, q, qrs, r0, m, k, krs, mask.kv_len, qmul / smul);
   // A sink logit starts each row's softmax: weight 2^(sink - max) in the sum.
   fill(w.m, m, sink_log2_of<A>(p.score, b, h));
   fill(w.l, m, p.score.sinks.on() ? A(1) : A(0));
@@ -154,6 +156,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
       ops.scores(slot, m, np, w.s, lbs, nvs);
       vmat = ops.v_tile(slot);
     }
+    if (rel) rel->add(j0, n, np, w.s, ldk);
 
     const bool row_dropout = drop.on && !drop.broadcast;
     if (drop.on && drop.broadcast) {
@@ -245,13 +248,16 @@ void forward(const AttentionKernelParams& p, const ParallelFor& parallel_for) {
   const MaskTiles tiles(p, bk, parallel_for);
   parallel_for(0, tasks, [&](int64_t t0, int64_t t1) {
     ForwardScratch<S, A> w(p, bq, bk);
+    std::optional<RelPosForward<S, A>> rel;
+    if (p.score.rel_pos.on()) rel.emplace(p, bq, bk);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bh = t / nqb, qi = t % nqb;
       // Causal blocks cost more the later they are: alternate cheap and
       // expensive ones so that any contiguous split of the tasks is balanced.
       const int64_t blk = p.causal ? (qi % 2 == 0 ? qi / 2 : nqb - 1 - qi / 2) : qi;
       const int64_t r0 = blk * bq;
-      forward_block<S, A>(p, drop, tiles, bh / p.heads, bh % p.heads, r0, std::min(r0 + bq, p.seqlen_q), w);
+      forward_block<S, A>(p, drop, tiles, bh / p.heads, bh % p.heads, r0, std::min(r0 + bq, p.seqlen_q), w,
+                          rel ? &*rel : nullptr);
     }
   });
 }

@@ -52,6 +52,8 @@ struct AttentionCall {
   // over a subset of batch ∪ keys_only ∪ query_groups ∪ {query_spatial,
   // kv_spatial}.
   AttentionVariants variants;
+  // With variants.pos_emb: how its rows are indexed (variants.h).
+  std::optional<RelPosForm> rel_pos;
 
   bool positional() const { return causal || variants.positional(); }
   // The kv axis's lengths: none (static), per batch entry, or per query row
@@ -88,8 +90,10 @@ struct AttentionBlockResult {
 // belongs to, in any order (keys/values may carry broadcast dims they lack).
 struct AttentionCallGrads {
   Tensor query, keys, values;
-  std::optional<Tensor> sinks;  // over the call's sinks dims, when it has sinks
-  std::optional<Tensor> bias;   // over the call's bias dims, when it has a bias
+  // The gradients of the call's learnable variant tensors
+  // (AttentionVariants::learnable), each in the field of its tensor, over
+  // its dims; the other fields unset.
+  AttentionVariants variants;
 };
 
 }  // namespace dimattn

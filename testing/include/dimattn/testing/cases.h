@@ -56,11 +56,19 @@ struct CaseVariants {
   // self-attention one [.., time] tensor serves as both sides.
   int64_t segment_docs = 0;
   std::string segments_over = "b";  // letters of "bh": the dims the ids vary over besides positions
+  // Relative positions (pos_emb): set, a unit-normal table (seed + 5) over
+  // feat, the dims of these letters of "bhg" ("": one table for every head)
+  // and a relative-position dim of seq_q + seq_k - 1 rows; a decoding step
+  // (kind step) reads it over the kv dim itself (no shift). With
+  // rel_pos_biases, pos_bias_u and pos_bias_v over [heads, feat] (seeds + 6, + 7).
+  std::optional<std::string> rel_pos;
+  bool rel_pos_biases = false;
 
   bool any() const {
-    return scalars.any() || alibi || sinks || !bias.empty() || !mask.empty() || segment_docs > 0;
+    return scalars.any() || alibi || sinks || !bias.empty() || !mask.empty() || segment_docs > 0 || rel_pos;
   }
-  bool positional() const { return scalars.positional() || alibi; }  // need the query's positional dim
+  // Whether the call needs the query's positional dim (a step's table has no shift).
+  bool positional(Kind kind) const { return scalars.positional() || alibi || (rel_pos && kind != Kind::step); }
   std::string describe() const;  // " window=[4,-] bias=htk", "" for none
 };
 
