@@ -21,16 +21,18 @@
 // backend over the same memory (torch_interop.h), with dimattn's selection
 // and kernels.
 //
-// Autograd is a C++ kernel on the Autograd key, so that eager calls pay no
-// Python autograd wrapper. Backward is its own op (CPU and CUDA keys, and a
+// Under torch.autocast the ops cast their inputs as torch's own SDPA does
+// (autocast_op). Autograd is a C++ kernel on the Autograd key, so that
+// eager calls pay no Python autograd wrapper. Backward is its own op (CPU and CUDA keys, and a
 // fake kernel in Python), so that torch.compile's AOTAutograd traces both
 // passes without a graph break. It recomputes the forward pass with autograd
 // on, through the torch backend's own autograd (every kernel of its table
 // has one), from the same dropout seed, so the same mask is drawn. The
 // learnable variant tensors (AttentionVariants::learnable: the sinks, the
-// bias) get gradients: the backward op's list output, one per such tensor
+// bias, the relative positions' table and biases) get gradients: the backward op's list output, one per such tensor
 // the call has, in field order, each in its tensor's shape (summed over the
 // dims it was broadcast along).
+#include <ATen/autocast_mode.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/zeros_like.h>
@@ -627,6 +629,27 @@ void dot_attention_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet k
   stack->emplace_back(std::move(out));
 }
 
+// The ops on the Autocast keys: torch's rule for its own
+// scaled_dot_product_attention (lower precision): every floating tensor
+// argument on the autocast device but float64 ones is cast to the autocast
+// dtype (differentiably), and the op runs below autocast. So a call inside
+// torch.autocast runs dimattn's kernels in bfloat16 (CPU) or float16/bfloat16
+// (CUDA), as torch's SDPA would.
+template <c10::DeviceType kDevice>
+void autocast_op(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const at::ScalarType to = at::autocast::get_autocast_dtype(kDevice);
+  const size_t n = op.schema().arguments().size();
+  for (auto it = stack->end() - static_cast<std::ptrdiff_t>(n); it != stack->end(); ++it) {
+    if (!it->isTensor()) continue;
+    const at::Tensor& t = it->toTensor();
+    if (t.defined() && t.is_floating_point() && t.scalar_type() != at::kDouble && t.scalar_type() != to &&
+        t.device().type() == kDevice)
+      *it = t.to(to);
+  }
+  const c10::impl::ExcludeDispatchKeyGuard below(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
+  op.callBoxed(stack);
+}
+
 // context_parallel_attention on the Autograd key: the ring records its own
 // autograd node (forward and backward over the group, no recomputation).
 void context_parallel_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack) {
@@ -670,6 +693,17 @@ void register_device_kernels(torch::Library& m) {
 
 TORCH_LIBRARY_IMPL(dimattn, CPU, m) { register_device_kernels(m); }
 TORCH_LIBRARY_IMPL(dimattn, CUDA, m) { register_device_kernels(m); }
+namespace {
+template <c10::DeviceType kDevice>
+void register_autocast_kernels(torch::Library& m) {
+  for (const char* op : {"dot_attention", "dot_attention.full", "context_parallel_attention", "dot_attention_trace",
+                         "explain"})
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&dimattn::python::autocast_op<kDevice>>());
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dimattn, AutocastCPU, m) { register_autocast_kernels<c10::DeviceType::CPU>(m); }
+TORCH_LIBRARY_IMPL(dimattn, AutocastCUDA, m) { register_autocast_kernels<c10::DeviceType::CUDA>(m); }
 TORCH_LIBRARY_IMPL(dimattn, Autograd, m) {
   using namespace dimattn::python;
   m.impl("dot_attention", torch::CppFunction::makeFromBoxedFunction<&dot_attention_autograd<Parts::call>>());
