@@ -1,4 +1,4 @@
-"""RETURNN's ``rf.dot_attention`` on dimattn's fused kernels.
+"""RETURNN's ``rf.dot_attention`` and relative-position self-attention on dimattn's fused kernels.
 
     import dimattn.returnn
     dimattn.returnn.enable()              # or: with dimattn.returnn.enabled(): ...
@@ -11,9 +11,12 @@ For a whole RETURNN run, in its config (RETURNN calls ``startup_callback`` at st
     dimattn_attention = True              # or "strict"; DIMATTN_RETURNN=0/1/strict overrides
 
 ``rf.dot_attention`` reaches the torch backend through
-``TorchBackend.scaled_dot_product_attention`` (inherited from RETURNN's generic
+``TorchBackend.scaled_dot_product_attention``, ``rf.RelPosSelfAttention`` and
+``rf.RelPosCausalSelfAttention`` (the Conformer's) through
+``TorchBackend.rel_pos_self_attention`` (both inherited from RETURNN's generic
 ``Backend``); ``enable`` puts dimattn there and ``disable`` restores exactly what was
-there. A call dimattn cannot take runs RETURNN's own implementation, counted with
+there. Calls inside ``torch.autocast`` (RETURNN's ``torch_amp``), ``torch.compile`` and
+RETURNN's static-traceable regime are routed too. A call dimattn cannot take runs RETURNN's own implementation, counted with
 its reason (``stats()``), or raises in strict mode. docs/returnn.md.
 
 RETURNN is called through its public API only; none of its code is copied (its
@@ -51,8 +54,10 @@ class _Patch:
     def __init__(self, strict: bool):
         self.hooks = {name: (TorchBackend.__dict__.get(name, _ABSENT), ours) for name, ours in (
             ("scaled_dot_product_attention", classmethod(_scaled_dot_product_attention)),
+            ("rel_pos_self_attention", classmethod(_rel_pos_self_attention)),
             ("sdpa_varlen_raw", staticmethod(_sdpa_varlen_raw)))}
         self.original = TorchBackend.scaled_dot_product_attention
+        self.original_rel_pos = TorchBackend.rel_pos_self_attention
         self.original_varlen = TorchBackend.sdpa_varlen_raw
         self.strict = strict
 
@@ -266,7 +271,7 @@ class _Call:
             return da.Dim.dynamic(d.name or "dim", da.Tensor(lengths, [self.to_da[e] for e in mask.dims if e != d]))
         return self._add(d, _made_dim(d, mask.raw_tensor, make))
 
-    def tensor(self, x: RfTensor, skip: RfDim) -> None:
+    def tensor(self, x: RfTensor, skip: Optional[RfDim]) -> None:
         """Maps x's dims but ``skip`` (mapped after the others)."""
         for d, extent in zip(x.dims, x.raw_tensor.shape):
             if d != skip:
@@ -296,10 +301,6 @@ def _prepare(query: RfTensor, key: RfTensor, value: RfTensor, *, att_dropout_bro
         raise _Fallback(f"arguments it does not know: {', '.join(sorted(unknown))}")
     if attention_mask is not None:
         raise _Fallback("attention_mask")
-    if torch.compiler.is_compiling():
-        raise _Fallback("inside torch.compile")
-    if rf.is_static_traceable():
-        raise _Fallback("static-traceable (bound-shape) regime")
     raws = (query.raw_tensor, key.raw_tensor, value.raw_tensor)
     if not all(isinstance(r, torch.Tensor) for r in raws):
         raise _Fallback("operands are not torch tensors")
@@ -307,8 +308,9 @@ def _prepare(query: RfTensor, key: RfTensor, value: RfTensor, *, att_dropout_bro
         raise _Fallback(f"operand dtypes {', '.join(str(r.dtype) for r in raws)}")
     if any(r.device != raws[0].device for r in raws):
         raise _Fallback("operands on different devices")
-    if torch.is_autocast_enabled(raws[0].device.type):
-        raise _Fallback("torch autocast (dimattn's op has no autocast rule)")
+    if raws[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        # dimattn reads kv lengths on the host, which a CUDA graph cannot capture.
+        raise _Fallback("CUDA graph capture")
     if not isinstance(att_dropout, Real) or not 0 <= att_dropout < 1:
         raise _Fallback("att_dropout is not a number in [0, 1)")
     if scale is not None and not isinstance(scale, Real):
@@ -376,14 +378,64 @@ def _decision(q: da.Tensor, k: da.Tensor, v: da.Tensor, kwargs: dict) -> da.Deci
 def _scaled_dot_product_attention(cls, query: RfTensor, key: RfTensor, value: RfTensor, **kwargs) -> RfTensor:
     """TorchBackend.scaled_dot_product_attention while routing is enabled."""
     patch = _patch
+    return _route("rf.dot_attention", lambda: _prepare(query, key, value, **kwargs), value, kwargs["kv_spatial_dim"],
+                  lambda: patch.original(query, key, value, **kwargs))
+
+
+def _rel_pos_self_attention(cls, query: RfTensor, key: RfTensor, value: RfTensor, pos_emb: RfTensor, *,
+                            pos_bias_u: Optional[RfTensor], pos_bias_v: Optional[RfTensor], **kwargs) -> RfTensor:
+    """TorchBackend.rel_pos_self_attention while routing is enabled: RETURNN's
+    Transformer-XL attention (rf.RelPosSelfAttention, rf.RelPosCausalSelfAttention) as
+    dot_attention with pos_emb, pos_bias_u and pos_bias_v; pos_emb over
+    pos_emb_spatial_dim (Tq + Tk - 1 rows, or the kv dim itself for a single step)."""
+    patch = _patch
+
+    def prepare():
+        rel_dim = kwargs.pop("pos_emb_spatial_dim")
+        try:
+            c, q, k, v, call = _prepare(query, key, value, **kwargs)
+        finally:
+            kwargs["pos_emb_spatial_dim"] = rel_dim
+        tables = [("pos_emb", pos_emb)] + [(n, x) for n, x in (("pos_bias_u", pos_bias_u), ("pos_bias_v", pos_bias_v))
+                                           if x is not None]
+        for name, x in tables:
+            if not isinstance(x.raw_tensor, torch.Tensor) or x.raw_tensor.device != q.raw.device:
+                raise _Fallback(f"{name} is not a torch tensor on the operands' device")
+            if x.raw_tensor.dtype not in _FLOATS:
+                raise _Fallback(f"{name} dtype {x.raw_tensor.dtype}")
+            c.tensor(x, skip=None)
+        query_dim = kwargs["query_spatial_dim"]
+        if rel_dim != kwargs["kv_spatial_dim"]:
+            if query_dim not in query.dims:
+                raise _Fallback("pos_emb shifted along a query spatial dim the query lacks")
+            call["query_position_dim"] = c.to_da[query_dim]
+        for name, x in tables:
+            call[name] = c.named(x)
+        return c, q, k, v, call
+
+    return _route("rf.RelPosSelfAttention", prepare, value, kwargs["kv_spatial_dim"],
+                  lambda: patch.original_rel_pos(query, key, value, pos_emb, pos_bias_u=pos_bias_u,
+                                                 pos_bias_v=pos_bias_v, **kwargs))
+
+
+def _route(what: str, prepare, value: RfTensor, axis: RfDim, original) -> RfTensor:
+    """One call of a routed hook: dimattn's, or ``original()`` (RETURNN's own) where
+    dimattn cannot take it (counted with the reason; strict mode raises) or selects
+    its reference path."""
+    patch = _patch
     try:
-        c, q, k, v, call = _prepare(query, key, value, **kwargs)
+        c, q, k, v, call = prepare()
     except _Fallback as why:
         if patch.strict:
-            raise da.Error(f"[dimattn.returnn] rf.dot_attention cannot run on dimattn: {why}; disable strict mode "
+            raise da.Error(f"[dimattn.returnn] {what} cannot run on dimattn: {why}; disable strict mode "
                            f"to run RETURNN's own implementation for such calls") from None
         _count("fallback", str(why))
-        return patch.original(query, key, value, **kwargs)
+        return original()
+    if torch.compiler.is_compiling():
+        # Traced: the op itself selects and runs (its selection is no graph input).
+        out = da.dot_attention(q, k, v, **call)
+        _count("routed", "compiled")
+        return _returnn_tensor(out.raw, c.back(out), value)
     decision = _decision(q, k, v, call)
     if decision.kernel == "reference":
         # Forced (DIMATTN_SDPA, dimattn.force), or no fused kernel takes the call:
@@ -391,7 +443,7 @@ def _scaled_dot_product_attention(cls, query: RfTensor, key: RfTensor, value: Rf
         first = decision.rejected[0] if decision.rejected else None
         _count("reference", "dimattn selected its reference path" + (f" ({first.kernel}: {first.reason})" if first
                                                                       else ""))
-        return patch.original(query, key, value, **kwargs)
+        return original()
     traces = _traces.active
     if not traces:
         out = da.dot_attention(q, k, v, **call)
@@ -402,7 +454,7 @@ def _scaled_dot_product_attention(cls, query: RfTensor, key: RfTensor, value: Rf
     record = t.records[-1]
     _count("routed", record.kernel)
     result = _returnn_tensor(out.raw, c.back(out), value)
-    energy, weights = _traced(record, c, kwargs["kv_spatial_dim"])
+    energy, weights = _traced(record, c, axis)
     for t in traces:
         t.records.append(da.AttentionTrace(record.kernel, result, *((energy, weights) if t.capture_tensors else ())))
     return result
@@ -441,7 +493,9 @@ def _sdpa_varlen_raw(**kw) -> Optional[torch.Tensor]:
 
 
 def _returnn_tensor(raw: torch.Tensor, dims: List[RfDim], value: RfTensor) -> RfTensor:
-    out = RfTensor("dot_attention", dims=dims, dtype=value.dtype, raw_tensor=raw)
+    # The result's own dtype: under torch.autocast the kernels ran in the autocast dtype, as
+    # RETURNN's matmuls would.
+    out = RfTensor("dot_attention", dims=dims, dtype=str(raw.dtype).replace("torch.", ""), raw_tensor=raw)
     if value.feature_dim is not None and value.feature_dim in dims:
         out.feature_dim = value.feature_dim  # as RETURNN's implementation sets it
     return out

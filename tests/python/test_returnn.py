@@ -315,7 +315,8 @@ def layer_dims():
 
 
 def params(layer):
-    return [p.raw_tensor for _, p in layer.named_parameters()]
+    """The trainable parameters' raw tensors (not, e.g., batch norm's running statistics)."""
+    return [p.raw_tensor for _, p in layer.named_parameters() if p.raw_tensor.requires_grad]
 
 
 def test_self_attention_layer():
@@ -327,6 +328,16 @@ def test_self_attention_layer():
     assert out.dims_set == {batch, time, model}
 
 
+def steps(layer, x, batch, time):
+    """A causal layer over x one position at a time (single_step_dim) with its state."""
+    state = layer.default_initial_state(batch_dims=[batch])
+    outs = []
+    for t in range(extent(time)):
+        y, state = layer(rf.gather(x, axis=time, indices=t), axis=single_step_dim, state=state)
+        outs.append(y)
+    return outs
+
+
 def test_causal_self_attention_layer_steps_match_the_sequence():
     """rf.CausalSelfAttention over a padded sequence, and step by step with its state
     (rf.cum_concat_step): both routed, each equal to RETURNN's, the steps equal to
@@ -336,18 +347,9 @@ def test_causal_self_attention_layer_steps_match_the_sequence():
     layer = rf.CausalSelfAttention(model, model, key_dim_total=model, value_dim_total=model, num_heads=4,
                                    att_dropout=0.1)
     x = rand([batch, time, model], 31)
-
-    def steps():
-        state = layer.default_initial_state(batch_dims=[batch])
-        outs = []
-        for t in range(extent(time)):
-            y, state = layer(rf.gather(x, axis=time, indices=t), axis=single_step_dim, state=state)
-            outs.append(y)
-        return outs
-
     (full,) = run_both(lambda: [layer(x, axis=time)[0]], [x.raw_tensor, *params(layer)], routed=1)
     dr.reset_stats()
-    stepped = run_both(steps, [x.raw_tensor, *params(layer)], routed=extent(time))
+    stepped = run_both(lambda: steps(layer, x, batch, time), [x.raw_tensor, *params(layer)], routed=extent(time))
     full_raw = aligned(full, [batch, time, model])
     for t, y in enumerate(stepped):
         assert (aligned(y, [batch, model]) - full_raw[:, t]).abs().max() < 1e-5
@@ -392,19 +394,157 @@ def test_causal_self_attention_layer_chunks_with_state():
     assert len(t.records) == 2 and all(r.kernel != "reference" for r in t.records), [r.kernel for r in t.records]
 
 
-def test_rel_pos_self_attention_stays_on_returnn():
-    """rf.RelPosSelfAttention has its own backend hook (rel_pos_self_attention): not
-    routed, not counted, unchanged."""
+# --- rf.RelPosSelfAttention: the Conformer's attention ---------------------------------------
+
+# RETURNN's module options, as its users set them (docs/returnn.md): Transformer-XL (its
+# defaults: with_bias, with_linear_pos, with_pos_bias, a table per head, sinusoidal),
+# learned clipped encodings, without the linear projection (per head or shared), Shaw et
+# al. (learned, shared, no biases), and no pos biases with a shared projection.
+REL_POS_CONFIGS = {
+    "transformer_xl": {},
+    "learned_clipped": dict(learnable_pos_emb=True, learnable_pos_emb_clipping=3),
+    "no_linear_pos": dict(with_linear_pos=False),
+    "no_linear_pos_shared": dict(with_linear_pos=False, separate_pos_emb_per_head=False),
+    "shaw": dict(with_bias=False, with_linear_pos=False, with_pos_bias=False, learnable_pos_emb=True,
+                 separate_pos_emb_per_head=False),
+    "no_pos_bias_shared": dict(with_pos_bias=False, separate_pos_emb_per_head=False),
+}
+
+
+def rel_pos_layer(cls, config, seed=4):
     batch, model, time = layer_dims()
-    rf.set_random_seed(4)
-    layer = rf.RelPosSelfAttention(model, model, key_dim_total=model, value_dim_total=model, num_heads=4,
-                                   att_dropout=0.0)
+    rf.set_random_seed(seed)
+    layer = cls(model, model, key_dim_total=model, value_dim_total=model, num_heads=4, att_dropout=0.0,
+                **REL_POS_CONFIGS[config])
+    return layer, batch, model, time
+
+
+@pytest.mark.parametrize("config", sorted(REL_POS_CONFIGS))
+def test_rel_pos_self_attention_module(config):
+    """rf.RelPosSelfAttention over a padded batch: one routed call on a fused kernel
+    (the positional term inside its tiles), output and the gradients of the input and of
+    every parameter (the projection of the table, u, v, a learned table) equal to
+    RETURNN's generic rel_pos_self_attention."""
+    layer, batch, model, time = rel_pos_layer(rf.RelPosSelfAttention, config)
     x = rand([batch, time, model], 33)
+    run_both(lambda: [layer(x, axis=time)], [x.raw_tensor, *params(layer)], routed=1)
+
+
+@pytest.mark.parametrize("config", ["transformer_xl", "learned_clipped", "shaw"])
+def test_rel_pos_causal_self_attention_steps_and_chunks(config):
+    """rf.RelPosCausalSelfAttention: the whole sequence (a hist dim whose lengths vary
+    per query row), step by step with its state (single_step_dim: a table over the kv
+    dim itself, no shift) and in two chunks (the second after the first's history):
+    each routed and equal to RETURNN's; the steps equal the sequence at every position."""
+    layer, batch, model, time = rel_pos_layer(rf.RelPosCausalSelfAttention, config)
+    x = rand([batch, time, model], 34)
+    leaves = [x.raw_tensor, *params(layer)]
+    (full,) = run_both(lambda: [layer(x, axis=time)[0]], leaves, routed=1)
+    dr.reset_stats()
+    stepped = run_both(lambda: steps(layer, x, batch, time), leaves, routed=extent(time))
+    full_raw = aligned(full, [batch, time, model])
+    for t, y in enumerate(stepped):
+        assert (aligned(y, [batch, model]) - full_raw[:, t]).abs().max() < 1e-5, t
+    dr.reset_stats()
+    c1, c2 = Dim(4, name="c1"), Dim(extent(time) - 4, name="c2")
+    x_static = rand([batch, Dim(extent(time), name="t"), model], 35)
+    t_dim = x_static.dims[1]
+
+    def chunks():
+        x1, _ = rf.slice(x_static, axis=t_dim, start=0, end=4, out_dim=c1)
+        x2, _ = rf.slice(x_static, axis=t_dim, start=4, end=extent(time), out_dim=c2)
+        y1, state = layer(x1, axis=c1)
+        y2, _ = layer(x2, axis=c2, state=state)
+        return [y1, y2]
+
+    run_both(chunks, [x_static.raw_tensor, *params(layer)], routed=2)
+
+
+@pytest.mark.parametrize("config", ["transformer_xl", "learned_clipped", "no_linear_pos_shared", "shaw"])
+def test_nn_rel_pos_self_attention_is_returnns_module(config):
+    """dimattn.nn.RelPosSelfAttention with the weights of RETURNN's RelPosSelfAttention
+    (same parameters, same layouts) gives RETURNN's output over a padded batch."""
+    layer, batch, model, time = rel_pos_layer(rf.RelPosSelfAttention, config, seed=9)
+    x = rand([batch, time, model], 40)
+    ref = aligned(layer(x, axis=time), [batch, time, model])
+    opts = {k: v for k, v in REL_POS_CONFIGS[config].items() if k != "learnable_pos_emb_clipping"}
+    if "learnable_pos_emb_clipping" in REL_POS_CONFIGS[config]:
+        opts["learnable_pos_emb_clipping"] = REL_POS_CONFIGS[config]["learnable_pos_emb_clipping"]
+    d_batch, d_model = da.Dim("batch", B), da.Dim("model", 32)
+    d_time = da.Dim.dynamic("time", da.Tensor(time.dyn_size_ext.raw_tensor.long(), [d_batch]))
+    ours = da.nn.RelPosSelfAttention(d_model, d_model, key_dim_total=32, value_dim_total=32, num_heads=4,
+                                     att_dropout=0.0, **opts)
+    theirs = dict(layer.named_parameters())
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            src = {"learned_pos_emb": "learned_pos_emb.pos_emb"}.get(name, name)
+            p.copy_(theirs[src].raw_tensor)
+    assert {n for n, _ in ours.named_parameters()} == {n.replace("learned_pos_emb.pos_emb", "learned_pos_emb")
+                                                         for n in theirs}
+    out = ours(da.Tensor(x.raw_tensor.detach(), [d_batch, d_time, d_model]), d_time)
+    assert (out.raw_in([d_batch, d_time, d_model]) - ref.detach()).abs().max() < 1e-5
+
+
+def conformer(num_layers=2, seed=5):
+    """RETURNN's ConformerEncoder (rf.RelPosSelfAttention in each layer), dropout off."""
+    from returnn.frontend.encoder.conformer import ConformerEncoder
+    batch, in_dim, model, time = Dim(B, name="batch"), Dim(12, name="in"), Dim(32, name="model"), None
+    time = dyn("time", [11, 7, 3], [batch])
+    rf.set_random_seed(seed)
+    enc = ConformerEncoder(in_dim, model, ff_dim=Dim(64, name="ff"), num_layers=num_layers, input_layer=None,
+                           num_heads=4, dropout=0.0, att_dropout=0.0)
+    return enc, batch, in_dim, model, time
+
+
+def test_conformer_encoder_training_step_routed():
+    """A 2-layer ConformerEncoder over a padded batch, forward and backward: both
+    attention calls routed on a fused kernel; output and every parameter's gradient equal
+    to RETURNN's generic path."""
+    enc, batch, in_dim, model, time = conformer()
+    x = rand([batch, time, in_dim], 36)
+    run_both(lambda: [enc(x, in_spatial_dim=time)[0]], [x.raw_tensor, *params(enc)], routed=2)
+
+
+def test_amp_bfloat16_step_routed():
+    """Under torch.autocast (RETURNN's torch_amp = "bfloat16"): the Conformer's calls run
+    dimattn's kernels in bfloat16 (the op's autocast rule), none falls back, and the
+    step's output and gradients agree with RETURNN's generic path under the same
+    autocast within bfloat16's tolerance."""
+    enc, batch, in_dim, model, time = conformer()
+    x = rand([batch, time, in_dim], 37)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        run_both(lambda: [enc(x, in_spatial_dim=time)[0]], [x.raw_tensor, *params(enc)], routed=2, tol=6e-2)
+    assert set(dr.stats()["kernels"]) == {"cpu_flash"}, dr.stats()
+
+
+def test_static_traceable_regime_routed():
+    """RETURNN's static-traceable (bound-shape) regime (dims declare a capacity):
+    rf.SelfAttention and rf.RelPosSelfAttention routed, equal to RETURNN's there."""
+    batch, model = Dim(B, name="batch"), Dim(32, name="model")
+    raw = torch.tensor([9, 6, 2], dtype=torch.int32)
+    time = Dim(Tensor("time_lengths", [batch], "int32", raw_tensor=raw), name="time", capacity=9)
+    rf.set_random_seed(6)
+    att = rf.SelfAttention(model, model, key_dim_total=model, value_dim_total=model, num_heads=4, att_dropout=0.0)
+    rel = rf.RelPosSelfAttention(model, model, key_dim_total=model, value_dim_total=model, num_heads=4,
+                                 att_dropout=0.0)
+    x = rand([batch, time, model], 38)
+    with rf.set_static_traceable_ctx():
+        run_both(lambda: [att(x, axis=time), rel(x, axis=time)], [x.raw_tensor, *params(att), *params(rel)],
+                 routed=2)
+
+
+def test_compiled_module_routed():
+    """rf.RelPosSelfAttention inside torch.compile: routed (the op is compile-safe),
+    counted as compiled, equal to RETURNN's uncompiled output."""
+    layer, batch, model, time = rel_pos_layer(rf.RelPosSelfAttention, "transformer_xl", seed=8)
+    x = rand([batch, time, model], 39)
     ref = layer(x, axis=time)
+    torch._dynamo.reset()
     with dr.enabled(strict=True):
-        out = layer(x, axis=time)
-    assert dr.stats()["routed"] == 0 and dr.stats()["fallback"] == 0
-    assert torch.equal(aligned(out, ref.dims), ref.raw_tensor)
+        out = torch.compile(lambda raw: layer(Tensor("x", x.dims, "float32", raw_tensor=raw), axis=time).raw_tensor,
+                            dynamic=False)(x.raw_tensor)
+    assert dr.stats()["fallback"] == 0 and dr.stats()["routed"] >= 1, dr.stats()
+    assert (out - ref.raw_tensor).abs().max() < 1e-5
 
 
 # --- dropout -------------------------------------------------------------------------------
@@ -740,8 +880,21 @@ class Model(rf.Module):
         return self.out(y)
 
 
+class Conformer(rf.Module):
+    def __init__(self):
+        super().__init__()
+        from returnn.frontend.encoder.conformer import ConformerEncoder
+        self.enc = ConformerEncoder(in_dim, Dim(16, name="model"), ff_dim=Dim(32, name="ff"), num_layers=2,
+                                    input_layer=None, num_heads=2, att_dropout=0.1)
+        self.out = rf.Linear(self.enc.out_dim, out_dim)
+
+    def __call__(self, x, spatial_dim):
+        y, _ = self.enc(x, in_spatial_dim=spatial_dim)
+        return self.out(y)
+
+
 def get_model(**_kwargs):
-    return Model()
+    return MODEL_CLASS()
 
 
 def train_step(*, model, extern_data, **_kwargs):
@@ -757,12 +910,17 @@ def epoch_end(**_kwargs):
 '''
 
 
-def test_a_returnn_training_run_routes_by_its_config(tmp_path):
-    """RETURNN's own main (python -m returnn) trains a model with rf.CausalSelfAttention
-    for an epoch; the config's startup_callback and dimattn_attention = "strict" route
-    every attention call of the run."""
+@pytest.mark.parametrize("model,amp", [("Model", None), ("Conformer", "bfloat16")])
+def test_a_returnn_training_run_routes_by_its_config(tmp_path, model, amp):
+    """RETURNN's own main (python -m returnn) trains a model for an epoch: one with
+    rf.CausalSelfAttention, and a 2-layer Conformer (rf.RelPosSelfAttention) under
+    torch_amp = "bfloat16"; the config's startup_callback and dimattn_attention =
+    "strict" route every attention call of the run (a fallback would raise)."""
     config = tmp_path / "train.config"
-    config.write_text(CONFIG.replace("MODEL_DIR", str(tmp_path)))
+    text = CONFIG.replace("MODEL_DIR", str(tmp_path)) + f"\nMODEL_CLASS = {model}\n"
+    if amp:
+        text += f"torch_amp = {amp!r}\n"
+    config.write_text(text)
     env = {k: v for k, v in os.environ.items() if k not in ("DIMATTN_RETURNN", "DIMATTN_SDPA")}
     result = subprocess.run([sys.executable, "-m", "returnn", str(config)], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
