@@ -1,6 +1,7 @@
 """Attention modules over named dims as torch.nn.Modules: the C++ library's
 SelfAttention, CausalSelfAttention and CrossAttention (frontend/include/dimattn/
-modules.h) over :func:`dimattn.dot_attention`.
+modules.h) over :func:`dimattn.dot_attention`, and RelPosSelfAttention (the
+Conformer's, RETURNN's parameters; Python only so far).
 
 The parameters are laid out as the C++ modules' are, so that a C++ and a Python
 module with the same weights give the same result: a :class:`Linear`'s weight is
@@ -25,7 +26,8 @@ from ._variants import Variants
 from ._core import Dim, Error, Tensor, _dims_repr
 
 __all__ = ["Linear", "RelativePositionBuckets", "RelativePositionBias", "relative_position_bucket",
-           "standard_alibi_slopes", "State", "SelfAttention", "CausalSelfAttention", "CrossAttention"]
+           "standard_alibi_slopes", "State", "SelfAttention", "CausalSelfAttention", "CrossAttention",
+           "RelPosSelfAttention", "relative_positional_encoding"]
 
 
 
@@ -284,7 +286,7 @@ class _Attention(torch.nn.Module):
 
     def __init__(self, in_dim: Dim, proj_dim: Dim, key_dim_total: Union[Dim, int], value_dim_total: Union[Dim, int],
                  num_heads: int, att_dropout: float, att_dropout_broadcast: bool, variants: Variants, sinks: bool,
-                 factory: dict):
+                 factory: dict, with_bias: bool = True):
         super().__init__()
         module = type(self).__name__
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
@@ -298,7 +300,7 @@ class _Attention(torch.nn.Module):
                                             "value_dim_per_head")
         self.key_dim_total = _total_dim("key_dim_total", key_dim_total)
         self.value_dim_total = _total_dim("value_dim_total", value_dim_total)
-        self.proj = Linear(self.value_dim_total, proj_dim, **factory)
+        self.proj = Linear(self.value_dim_total, proj_dim, with_bias=with_bias, **factory)
         self.att_dropout, self.att_dropout_broadcast = att_dropout, att_dropout_broadcast
         self.variants = variants
         if sinks and variants.sink_off_by_one:
@@ -585,3 +587,110 @@ class CrossAttention(_Attention):
                         f"decoder's positions need a dim of their own (for self-attention use SelfAttention)")
         q, = self._split_heads(x, self.query, [self.key_dim_per_head])
         return self._attend(q, state.keys, state.values, state.axis)
+
+
+def relative_positional_encoding(query_extent: int, kv_extent: int, feat: int, *, device=None,
+                                 dtype=None) -> torch.Tensor:
+    """Transformer-XL's sinusoidal table ``[query_extent + kv_extent - 1, feat]``: row r
+    encodes the relative position j - i = r - (query_extent - 1), its first half
+    sin(pos / 10000^(2c / feat)), its second half the cosines (RETURNN's
+    ``rf.relative_positional_encoding``)."""
+    if feat % 2:
+        raise Error(f"[relative_positional_encoding] feat must be even (sines, then cosines), got {feat}")
+    pos = torch.arange(-(query_extent - 1), kv_extent, device=device, dtype=torch.float64)
+    div = torch.exp(torch.arange(feat // 2, device=device, dtype=torch.float64) * (-2.0 * math.log(1e4) / feat))
+    arg = pos[:, None] * div[None, :]
+    return torch.cat([torch.sin(arg), torch.cos(arg)], -1).to(dtype or torch.get_default_dtype())
+
+
+class RelPosSelfAttention(_Attention):
+    """Self-attention with relative positions, Transformer-XL style (the Conformer's),
+    with RETURNN's ``rf.RelPosSelfAttention`` parameters and conventions: ``att(x,
+    axis)``, x ``{..., axis, in_dim}`` -> ``{..., axis, proj_dim}``; the energy of
+    position i and j is scale * ((q_i + u) . k_j + (q_i + v) . p[j - i]), computed in
+    dimattn's kernels from the table p (``pos_emb`` of :func:`dot_attention`), never a
+    [T, T] or [T, 2T - 1] tensor.
+
+    ``p``: the sinusoidal :func:`relative_positional_encoding` over ``in_dim`` features
+    (``learnable_pos_emb``: a parameter ``learned_pos_emb [2 clipping + 1, feat]``,
+    relative positions clipped to +-``learnable_pos_emb_clipping``), with
+    ``pos_emb_dropout`` in training, projected by ``linear_pos`` (``in_dim ->
+    key_dim_total``, or per head, no bias; with ``with_linear_pos``) and split per head
+    (``separate_pos_emb_per_head``) or shared by all heads. ``pos_bias_u``,
+    ``pos_bias_v`` ``[heads, key_dim_per_head]`` (``with_pos_bias``; Glorot-uniform).
+    ``with_bias``: biases of ``qkv`` and ``proj``. Dropout and dims as
+    :class:`SelfAttention`'s."""
+
+    def __init__(self, in_dim: Dim, proj_dim: Dim, *, key_dim_total: Union[Dim, int],
+                 value_dim_total: Union[Dim, int], num_heads: int, with_bias: bool = True,
+                 with_linear_pos: bool = True, with_pos_bias: bool = True, learnable_pos_emb: bool = False,
+                 learnable_pos_emb_clipping: int = 16, separate_pos_emb_per_head: bool = True,
+                 pos_emb_dropout: float = 0.0, att_dropout: float = 0.1, att_dropout_broadcast: bool = False,
+                 device=None, dtype=None):
+        factory = dict(device=device, dtype=dtype)
+        super().__init__(in_dim, proj_dim, key_dim_total, value_dim_total, num_heads, att_dropout,
+                         att_dropout_broadcast, Variants(), False, factory, with_bias=with_bias)
+        k, v = self.key_dim_per_head.size, self.value_dim_per_head.size
+        self.qkv_dim_per_head = Dim("qkv_dim_per_head", 2 * k + v)
+        self.qkv = Linear(in_dim, Dim("qkv", num_heads * (2 * k + v)), with_bias=with_bias, **factory)
+        self.separate_pos_emb_per_head = separate_pos_emb_per_head
+        pos_feat = self.in_dim if with_linear_pos else self.key_dim_total if separate_pos_emb_per_head \
+            else self.key_dim_per_head
+        self.pos_emb_feat_dim = pos_feat
+        self.linear_pos = (Linear(in_dim, self.key_dim_total if separate_pos_emb_per_head else self.key_dim_per_head,
+                                  with_bias=False, **factory) if with_linear_pos else None)
+        if isinstance(learnable_pos_emb_clipping, bool) or not isinstance(learnable_pos_emb_clipping, int) or \
+                learnable_pos_emb_clipping < 0:
+            raise Error(f"[RelPosSelfAttention] learnable_pos_emb_clipping must be an int >= 0, got "
+                        f"{learnable_pos_emb_clipping!r}")
+        self.clipping = learnable_pos_emb_clipping
+        self.learned_pos_emb = (torch.nn.Parameter(torch.empty(2 * self.clipping + 1, pos_feat.size, **factory))
+                                if learnable_pos_emb else None)
+        shape = (num_heads, k)
+        self.pos_bias_u = torch.nn.Parameter(torch.empty(shape, **factory)) if with_pos_bias else None
+        self.pos_bias_v = torch.nn.Parameter(torch.empty(shape, **factory)) if with_pos_bias else None
+        self.pos_emb_dropout = pos_emb_dropout
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.learned_pos_emb is not None:
+            torch.nn.init.uniform_(self.learned_pos_emb, -1.0, 1.0)
+        for b in (self.pos_bias_u, self.pos_bias_v):
+            if b is not None:
+                torch.nn.init.xavier_uniform_(b)
+
+    def _table(self, extent: int, rel: Dim, like: torch.Tensor) -> Tensor:
+        """The projected table of a sequence of `extent` positions over rel (2 extent - 1 rows)."""
+        if self.learned_pos_emb is None:
+            raw = relative_positional_encoding(extent, extent, self.pos_emb_feat_dim.size, device=like.device,
+                                               dtype=like.dtype)
+        else:
+            relative = torch.arange(-(extent - 1), extent, device=like.device)
+            raw = self.learned_pos_emb[relative.clamp(-self.clipping, self.clipping) + self.clipping]
+        if self.pos_emb_dropout and self.training:
+            raw = torch.nn.functional.dropout(raw, self.pos_emb_dropout)
+        table = Tensor(raw, [rel, self.pos_emb_feat_dim])
+        if self.linear_pos is not None:
+            table = self.linear_pos(table)
+        if self.separate_pos_emb_per_head:
+            return Tensor(table.raw.unflatten(-1, (self.num_heads, -1)).transpose(0, 1),
+                          [self.heads, rel, self.key_dim_per_head])
+        return Tensor(table.raw, [rel, self.key_dim_per_head])
+
+    def forward(self, x: Tensor, axis: Dim) -> Tensor:
+        _check_input("RelPosSelfAttention", "x", x, ("in_dim", self.in_dim), ("axis", axis))
+        q, k, v = self._split_heads(x, self.qkv, [self.key_dim_per_head, self.key_dim_per_head,
+                                                  self.value_dim_per_head])
+        kv_axis = _twin(axis, axis.name + "_kv")
+        k, v = _relabel(k, axis, kv_axis), _relabel(v, axis, kv_axis)
+        extent = _extent(x, axis)
+        rel = Dim("rel_pos", 2 * extent - 1)
+        heads = lambda b: None if b is None else Tensor(b, [self.heads, self.key_dim_per_head])
+        return self._attend(q, k, v, kv_axis, query_position_dim=axis, pos_emb=self._table(extent, rel, q.raw),
+                            pos_bias_u=heads(self.pos_bias_u), pos_bias_v=heads(self.pos_bias_v))
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr() + f", linear_pos={self.linear_pos is not None}, "
+                f"pos_bias={self.pos_bias_u is not None}, learnable_pos_emb={self.learned_pos_emb is not None}, "
+                f"separate_pos_emb_per_head={self.separate_pos_emb_per_head}")
