@@ -33,6 +33,9 @@ constexpr int64_t fwd_kv_cache_bytes() { return int64_t{16} << 20; }
 // step holds five tiles (S/P, dP, P with dropout, and the dK, dV accumulators).
 constexpr int64_t bwd_block_q(int64_t /*head_dim*/) { return 64; }
 constexpr int64_t bwd_block_k(int64_t /*head_dim*/) { return 64; }
+// With relative positions a step's band of table rows is bk + bq - 1 wide for
+// bk positions (rel_pos.h): wider kv tiles waste less of each band product.
+constexpr int64_t bwd_block_k_rel_pos(int64_t /*head_dim*/) { return 128; }
 
 // The backward pass runs one task per (batch, kv head, kv chunk): a task owns
 // its chunk's dK, dV (so GQA heads sum race-free) and writes its dQ share into
@@ -47,6 +50,7 @@ constexpr int64_t bwd_max_partial_bytes() { return int64_t{128} << 20; }
 
 static_assert(fwd_block_k(64, 8) % 16 == 0 && fwd_block_k(128, 8) % 16 == 0 && fwd_block_k(128, 16) % 32 == 0,
               "kv tiles hold whole column blocks");
-static_assert(bwd_block_k(64) % 16 == 0 && bwd_block_k(128) % 16 == 0, "kv tiles hold whole column blocks");
+static_assert(bwd_block_k(64) % 16 == 0 && bwd_block_k(128) % 16 == 0 && bwd_block_k_rel_pos(64) % 32 == 0,
+              "kv tiles hold whole column blocks");
 
 }  // namespace dimattn::kernels::cpu_flash

@@ -17,7 +17,7 @@ template <class A>
 BackwardPlan plan_backward(const AttentionKernelParams& p) {
   BackwardPlan plan;
   plan.bq = cpu_flash::bwd_block_q(p.head_dim);
-  plan.bk = cpu_flash::bwd_block_k(p.head_dim);
+  plan.bk = p.score.rel_pos.on() ? cpu_flash::bwd_block_k_rel_pos(p.head_dim) : cpu_flash::bwd_block_k(p.head_dim);
   const int64_t tiles = std::max<int64_t>(1, (p.seqlen_k + plan.bk - 1) / plan.bk);
   const int64_t groups = std::max<int64_t>(1, p.batch * p.kv_heads);
   int64_t chunks = (cpu_flash::bwd_min_tasks() + groups - 1) / groups;
@@ -137,6 +137,7 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
       for (int64_t j0 = kc0; j0 < kend; j0 += plan.bk) {
         const int64_t n = std::min(plan.bk, kend - j0), np = round_up(n, W);
         ops.pack_tile(k + j0 * krs, krs, v + j0 * vrs, vrs, n, np);
+        if (rel) rel->begin_tile(np);
         A* dk_t = w.dkacc + (j0 - kc0) * dp;
         A* dv_t = w.dvacc + (j0 - kc0) * dvp;
         if (drop.on && drop.broadcast) {
@@ -247,8 +248,9 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
           if (drop.on) x = w.x;
           // dV += X^T dO, dK += dS^T Q and dQ += dS K (dK, dQ scaled at the end).
           ops.accumulate(r0, mm, n, x, w.dpt, dv_t, dk_t, dq + i0 * dp, kbeg, nvs);
-          if (rel) rel->add_grads(i0, mm, j0, n, np, w.dpt, ldk, dq + i0 * dp, dk_t, k, krs);
+          if (rel) rel->add_grads(i0, mm, j0, n, np, w.dpt, ldk, dq + i0 * dp);
         }
+        if (rel) rel->end_tile(j0, n, dk_t, k, krs);
       }
       if (rel) rel->end(p, b, h, scale);
     }

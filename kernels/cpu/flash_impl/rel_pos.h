@@ -227,26 +227,18 @@ class RelPosBackward {
     rel_pos_add_rows(mm, head_.step, np, g_, ldg_, head_.u ? uk_ + (j0 - kc0_) : nullptr, s, ldk);
   }
 
+  // A kv tile of np positions (whole vectors) begins: its column sums of dS start at 0.
+  void begin_tile(int64_t np) { fill(cs_, np, A(0)); }
+
   // The same step's dS (ds: [mm][ldk], 0 outside each row's positions):
-  // dq (the block's rows, [mm][dp]) += dG P, dk (the tile's rows, [n][dp])
-  // += colsum(dS) u; the task's d(table), d(u), d(v) sums gain theirs.
-  void add_grads(int64_t i0, int64_t mm, int64_t j0, int64_t n, int64_t np, const A* ds, int64_t ldk, A* dq, A* dk,
-                 const S* k, int64_t krs) {
-    if (head_.u) {  // u's term: colsum of dS over the block's rows
-      fill(cs_, np, A(0));
+  // dq (the block's rows, [mm][dp]) += dG P; the tile's column sums of dS
+  // and the task's d(table), d(v) sums gain theirs.
+  void add_grads(int64_t i0, int64_t mm, int64_t j0, int64_t n, int64_t np, const A* ds, int64_t ldk, A* dq) {
+    using V = typename Simd<A>::V;
+    constexpr int W = Simd<A>::W;
+    if (head_.u)  // u's term: the column sums of dS (end_tile)
       for (int64_t r = 0; r < mm; ++r)
-        for (int64_t c = 0; c < np; ++c) cs_[c] += ds[r * ldk + c];
-      for (int64_t c = 0; c < n; ++c) {
-        const A w = cs_[c];
-        if (w == A(0)) continue;
-        A* dkr = dk + c * dp_;
-        const S* kr = k + (j0 + c) * krs;
-        for (int64_t d = 0; d < D_; ++d) {
-          dkr[d] += w * ua_[d];
-          du_[d] += w * to_acc(kr[d]);
-        }
-      }
-    }
+        for (int64_t c = 0; c < np; c += W) vstore(cs_ + c, vload<V>(cs_ + c) + vload<V>(ds + r * ldk + c));
     const RelPosBand band = rel_pos_band(head_.center, head_.step, i0, mm, j0, n);
     const int64_t ncp = round_up(band.width, Simd<A>::W);
     // dG: row r's dS on its diagonal, zero elsewhere.
@@ -274,11 +266,27 @@ class RelPosBackward {
     A* acc = acc_ + (band.start - base_) * dp_;
     gemm_add_at(band.width, dp_, mm, g_, ldg_, row_major(qv_ + (i0 - i_start_) * dp_, dp_), acc, dp_,
                 Ragged{nullptr, tb, te});
-    // v's term: the band's column sums of dG.
+    // v's term: the band's column sums of dG (row r's run of dS on its diagonal).
     A* cg = cg_ + (band.start - base_);
     for (int64_t r = 0; r < mm; ++r) {
-      const A* gr = g_ + r * ldg_;
-      for (int64_t c = 0; c < band.width; ++c) cg[c] += gr[c];
+      const A* dr = ds + r * ldk;
+      A* at = cg + head_.step * (mm - 1 - r);
+      for (int64_t c = 0; c < n; ++c) at[c] += dr[c];
+    }
+  }
+
+  // The tile [j0, j0 + n) is done: dk (its rows, [n][dp]) += colsum(dS) u, and
+  // d(u) gains colsum(dS) . K (k: the kv head's first row).
+  void end_tile(int64_t j0, int64_t n, A* dk, const S* k, int64_t krs) {
+    if (!head_.u) return;
+    for (int64_t c = 0; c < n; ++c) {
+      const A w = cs_[c];
+      A* dkr = dk + c * dp_;
+      const S* kr = k + (j0 + c) * krs;
+      for (int64_t d = 0; d < D_; ++d) {
+        dkr[d] += w * ua_[d];
+        du_[d] += w * to_acc(kr[d]);
+      }
     }
   }
 
