@@ -201,6 +201,9 @@ AttentionVariants checked_variants(const char* op, const AttentionVariants& v, c
     DIMATTN_CHECK(is_floating(t.dtype()), op, "pos_emb must be a floating tensor, got ", t.repr());
     DIMATTN_CHECK(t.has(r.key_dim), op, "pos_emb ", repr(t.dims()), " lacks key_dim ", r.key_dim.repr(),
                   ": each relative position's row is a vector over key_dim, as the keys' are");
+    DIMATTN_CHECK(!t.has(r.axis) || r.kv_axis == r.axis, op, "pos_emb is over axis ", r.axis.repr(),
+                  " in self-attention, where axis is both the query and the kv position; give it a relative-position ",
+                  "dim of extent 2T - 1");
     Dims own;
     for (const Dim& d : t.dims())
       if (d != r.key_dim && (!contains(per_head, d) || (r.position && d == *r.position))) own.push_back(d);
@@ -209,10 +212,7 @@ AttentionVariants checked_variants(const char* op, const AttentionVariants& v, c
                   "; its rows are the relative positions (extent Tq + Tk - 1), or the kv axis ", r.axis.repr(),
                   " itself for one query position");
     const Dim& rd = own[0];
-    if (rd == r.axis) {
-      DIMATTN_CHECK(r.kv_axis == r.axis, op, "pos_emb is over axis ", r.axis.repr(), " in self-attention, where ",
-                    "axis is both the query and the kv position; give it a relative-position dim of extent 2T - 1");
-    } else {
+    if (rd != r.axis) {
       DIMATTN_CHECK(!query.has(rd) && !(r.position && rd == *r.position), op, "pos_emb's relative-position dim ",
                     rd.repr(), " is a dim of the query ", repr(query.dims()), "; it must be a dim of its own");
       DIMATTN_CHECK(r.position.has_value(), op, "pos_emb indexes its rows by j - i along the query's positional ",

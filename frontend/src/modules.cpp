@@ -173,8 +173,8 @@ SelfAttention::SelfAttention(const AttentionConfig& c, const char* module, bool 
       key_dim_per_head(per_head(module, c.key_dim_total, heads)),
       value_dim_per_head(per_head(module, c.value_dim_total, heads)),
       qkv_dim_per_head("qkv_per_head", 2 * key_dim_per_head.extent() + value_dim_per_head.extent()),
-      qkv(c.in_dim, heads * qkv_dim_per_head, c.seed, c.opts),
-      proj(c.value_dim_total, c.proj_dim, c.seed + 2, c.opts) {
+      qkv(c.in_dim, heads * qkv_dim_per_head, c.seed, c.opts, c.with_bias),
+      proj(c.value_dim_total, c.proj_dim, c.seed + 2, c.opts, c.with_bias) {
   check_variants(module, c.variants, causal);
   if (c.sinks) sinks = init_uniform({heads}, 1, c.seed + 6, c.opts);
   if (c.alibi) alibi_slopes = from_host({heads}, standard_alibi_slopes(c.num_heads), c.opts);
@@ -288,6 +288,69 @@ std::pair<Tensor, CausalSelfAttention::State> CausalSelfAttention::chunk(const T
   return {y, State{k_all, v_all, kv_axis}};
 }
 
+Tensor relative_positional_encoding(int64_t query_extent, int64_t kv_extent, const Dim& rel, const Dim& feat,
+                                    const TensorOptions& opts) {
+  const int64_t f = feat.extent(), half = f / 2;
+  DIMATTN_CHECK(f % 2 == 0, "relative_positional_encoding", "feat ", feat.repr(), " must be even (sines, then cosines)");
+  DIMATTN_CHECK(rel.extent() == query_extent + kv_extent - 1, "relative_positional_encoding", "rel ", rel.repr(),
+                " needs ", query_extent + kv_extent - 1, " rows (query_extent + kv_extent - 1)");
+  std::vector<double> t(static_cast<size_t>(rel.extent() * f));
+  for (int64_t r = 0; r < rel.extent(); ++r)
+    for (int64_t c = 0; c < half; ++c) {
+      const double a = static_cast<double>(r - (query_extent - 1)) *
+                       std::exp(static_cast<double>(c) * (-2.0 * std::log(1e4) / static_cast<double>(f)));
+      t[static_cast<size_t>(r * f + c)] = std::sin(a);
+      t[static_cast<size_t>(r * f + half + c)] = std::cos(a);
+    }
+  return from_host({rel, feat}, t, opts);
+}
+
+RelPosSelfAttention::RelPosSelfAttention(const AttentionConfig& c, const RelPosConfig& r)
+    : SelfAttention(c, "RelPosSelfAttention", false),
+      rel(r),
+      pos_emb_feat_dim(r.with_linear_pos ? c.in_dim : r.separate_pos_emb_per_head ? c.key_dim_total : key_dim_per_head),
+      clipped("learned_rel_pos", 2 * std::max<int64_t>(r.learnable_pos_emb_clipping, 0) + 1) {
+  DIMATTN_CHECK(r.learnable_pos_emb_clipping >= 0, "RelPosSelfAttention", "learnable_pos_emb_clipping must be >= 0, ",
+                "got ", r.learnable_pos_emb_clipping);
+  DIMATTN_CHECK(!relative_position_bias, "RelPosSelfAttention", "config.relative_position (T5's bias) and the ",
+                "module's relative positions are two encodings of one thing; use one");
+  if (r.with_linear_pos)
+    linear_pos.emplace(c.in_dim, r.separate_pos_emb_per_head ? c.key_dim_total : key_dim_per_head, c.seed + 8, c.opts,
+                       false);
+  if (r.learnable_pos_emb) learned_pos_emb = random_uniform({clipped, pos_emb_feat_dim}, c.seed + 9, c.opts, -1, 1);
+  if (r.with_pos_bias) {
+    const double bound = std::sqrt(6.0 / static_cast<double>(heads.extent() + key_dim_per_head.extent()));
+    pos_bias_u = random_uniform({heads, key_dim_per_head}, c.seed + 10, c.opts, -bound, bound);
+    pos_bias_v = random_uniform({heads, key_dim_per_head}, c.seed + 11, c.opts, -bound, bound);
+  }
+}
+
+Tensor RelPosSelfAttention::position_table(int64_t extent, const Dim& rel_dim) const {
+  Tensor table = relative_positional_encoding(extent, extent, rel_dim, pos_emb_feat_dim, config.opts);
+  if (learned_pos_emb) {
+    // Row r (relative position r - (extent - 1)) reads the learned row of its clipped position.
+    const TensorOptions int_opts = detail::options_like(*learned_pos_emb, DType::int64);
+    const double c = static_cast<double>(rel.learnable_pos_emb_clipping);
+    Tensor at = add(range_over_dim(rel_dim, int_opts), -static_cast<double>(extent - 1));
+    at = add(minimum(maximum(at, full({}, -c, int_opts)), full({}, c, int_opts)), c);
+    table = gather(*learned_pos_emb, clipped, at);
+  }
+  if (rel.pos_emb_dropout > 0) table = dropout(table, rel.pos_emb_dropout, table.dims());
+  if (linear_pos) table = (*linear_pos)(table);
+  return rel.separate_pos_emb_per_head ? split_dims(table, config.key_dim_total, {heads, key_dim_per_head}) : table;
+}
+
+Tensor RelPosSelfAttention::operator()(const Tensor& x, const Dim& axis) const {
+  auto [q, k, v] = project_qkv(x);
+  const Dim kv = twin_of(axis, axis.name() + "_kv"), rel_dim("rel_pos", 2 * axis.extent() - 1);
+  AttentionOptions o = attention_options(kv);
+  o.query_position_dim = axis;
+  o.variants.pos_emb = position_table(axis.extent(), rel_dim);
+  o.variants.pos_bias_u = pos_bias_u;
+  o.variants.pos_bias_v = pos_bias_v;
+  return merge_heads(dot_attention(q, replace_dim(k, axis, kv), replace_dim(v, axis, kv), o));
+}
+
 CrossAttention::CrossAttention(const AttentionConfig& c, Dim enc)
     : config(c),
       encoder_dim(enc),
@@ -295,9 +358,9 @@ CrossAttention::CrossAttention(const AttentionConfig& c, Dim enc)
       key_dim_per_head(per_head("CrossAttention", c.key_dim_total, heads)),
       value_dim_per_head(per_head("CrossAttention", c.value_dim_total, heads)),
       kv_dim_per_head("kv_per_head", key_dim_per_head.extent() + value_dim_per_head.extent()),
-      query(c.in_dim, c.key_dim_total, c.seed, c.opts),
-      kv(enc, heads * kv_dim_per_head, c.seed + 4, c.opts),
-      proj(c.value_dim_total, c.proj_dim, c.seed + 2, c.opts) {
+      query(c.in_dim, c.key_dim_total, c.seed, c.opts, c.with_bias),
+      kv(enc, heads * kv_dim_per_head, c.seed + 4, c.opts, c.with_bias),
+      proj(c.value_dim_total, c.proj_dim, c.seed + 2, c.opts, c.with_bias) {
   check_variants("CrossAttention", c.variants, false);
   const bool window = c.variants.window.has_value();
   DIMATTN_CHECK(!window && !c.alibi && !c.relative_position, "CrossAttention",

@@ -3,9 +3,10 @@
 // a beam never tiles the encoder, the fused qkv weight is head-major, the
 // variants reach dot_attention as a manual call passes them, sinks learn; T5's
 // relative position buckets, the bias module (its table learns) and the
-// modules that use it.
+// modules that use it; Transformer-XL's relative positions (RelPosSelfAttention).
 #include <cmath>
 
+#include "dimattn/forcing.h"
 #include "dimattn/modules.h"
 #include "dimattn/registry.h"
 #include "dimattn/trace.h"
@@ -647,6 +648,88 @@ TEST_P(Modules, RelativePositionTableGetsAGradient) {
       [](AttentionConfig& c, bool) { c.relative_position = RelativePositionBuckets{8, 6}; },
       [](SelfAttention& att) -> Tensor& { return att.relative_position_bias->table; }, {6, 3});
   EXPECT_EQ(learning, (std::vector<int>{7 * 4, 6 * 4}));
+}
+
+// Transformer-XL's table: row r is relative position r - (Tq - 1); sines, then cosines.
+TEST(ModuleVariants, RelativePositionalEncoding) {
+  Dim rel("rel", 3 + 5 - 1), feat("feat", 6);
+  const std::vector<double> t = to_host(relative_positional_encoding(3, 5, rel, feat), Dims{rel, feat});
+  for (int64_t r = 0; r < 7; ++r)
+    for (int64_t c = 0; c < 3; ++c) {
+      const double a = static_cast<double>(r - 2) * std::pow(1e4, -2.0 * static_cast<double>(c) / 6.0);
+      EXPECT_NEAR(t[static_cast<size_t>(r * 6 + c)], std::sin(a), 1e-6) << r << " " << c;
+      EXPECT_NEAR(t[static_cast<size_t>(r * 6 + 3 + c)], std::cos(a), 1e-6) << r << " " << c;
+    }
+  expect_error([&] { relative_positional_encoding(3, 5, Dim("rel", 6), feat); }, "relative_positional_encoding",
+               {"needs 7 rows"});
+  expect_error([&] { relative_positional_encoding(3, 5, rel, Dim("odd", 5)); }, "relative_positional_encoding",
+               {"must be even"});
+}
+
+// RelPosSelfAttention (RETURNN's options): its call is dot_attention with its
+// table, u and v; cpu_flash and the reference path agree on it; a learned
+// table clips; the options reach the parameters.
+TEST_P(Modules, RelPosSelfAttentionIsADotAttentionCallWithItsTable) {
+  Dim batch("batch", 2), in("in", 8), out("out", 5);
+  Dim time = Dim::dynamic("time", lengths(batch, {7, 4}));
+  const Tensor x = random_normal({batch, time, in}, 3, opts());
+  struct Case {
+    const char* name;
+    RelPosConfig rel;
+    bool with_bias;
+  };
+  const std::vector<Case> cases = {
+      {"transformer_xl", {}, true},
+      {"learned_clipped", {.with_linear_pos = false, .learnable_pos_emb = true, .learnable_pos_emb_clipping = 2}, true},
+      {"shaw", {.with_linear_pos = false, .with_pos_bias = false, .learnable_pos_emb = true,
+                .separate_pos_emb_per_head = false}, false},
+      {"shared_linear_no_pos_bias", {.with_pos_bias = false, .separate_pos_emb_per_head = false}, true}};
+  int ran = 0;
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.name);
+    AttentionConfig c = four_heads(in, out, opts());
+    c.with_bias = k.with_bias;
+    Open<RelPosSelfAttention> att(c, k.rel);
+    EXPECT_EQ(att.linear_pos.has_value(), k.rel.with_linear_pos);
+    EXPECT_EQ(att.pos_bias_u.has_value(), k.rel.with_pos_bias);
+    EXPECT_EQ(att.learned_pos_emb.has_value(), k.rel.learnable_pos_emb);
+    EXPECT_EQ(att.qkv.bias.has_value(), k.with_bias);
+    const Tensor got = att(x, time);
+    const Tensor got_ref = [&] {
+      ForceKernels force("reference");
+      return att(x, time);
+    }();
+    EXPECT_LT(max_abs_diff(got, got_ref, {batch, time, out}), 1e-5);
+
+    auto [q, kk, v] = att.project_qkv(x);
+    Dim kv = Dim::dynamic("kv", time.lengths(), time.extent()), rel("rel", 13);
+    const Tensor table = att.position_table(7, rel);
+    EXPECT_TRUE(same_dims(table.dims(), k.rel.separate_pos_emb_per_head ? Dims{att.heads, rel, att.key_dim_per_head}
+                                                                        : Dims{rel, att.key_dim_per_head}));
+    AttentionOptions o{.key_dim = att.key_dim_per_head, .axis = kv, .query_position_dim = time,
+                       .variants = {.pos_emb = table, .pos_bias_u = att.pos_bias_u, .pos_bias_v = att.pos_bias_v}};
+    const Tensor want = att.merge_heads(dot_attention(q, replace_dim(kk, time, kv), replace_dim(v, time, kv), o));
+    EXPECT_LT(max_abs_diff(got, want, {batch, time, out}), 1e-6);
+    if (att.learned_pos_emb && !att.linear_pos && !k.rel.separate_pos_emb_per_head) {
+      // The table's rows are the learned rows of their clipped positions.
+      const Tensor lp = *att.learned_pos_emb;
+      const Dims order{rel, att.pos_emb_feat_dim};
+      const std::vector<double> tv = to_host(att.position_table(7, rel), order);
+      const std::vector<double> lv = to_host(lp, Dims{att.clipped, att.pos_emb_feat_dim});
+      const int64_t f = att.pos_emb_feat_dim.extent(), clip = k.rel.learnable_pos_emb_clipping;
+      for (int64_t r = 0; r < 13; ++r) {
+        const int64_t row = std::clamp<int64_t>(r - 6, -clip, clip) + clip;
+        for (int64_t d = 0; d < f; ++d) EXPECT_EQ(tv[static_cast<size_t>(r * f + d)], lv[static_cast<size_t>(row * f + d)]);
+      }
+    }
+    ++ran;
+  }
+  EXPECT_EQ(ran, 4);
+  AttentionConfig c = four_heads(in, out, opts());
+  c.relative_position = RelativePositionBuckets{8, 5};
+  expect_error([&] { RelPosSelfAttention att(c); }, "RelPosSelfAttention", {"config.relative_position"});
+  expect_error([&] { RelPosSelfAttention att(four_heads(in, out, opts()), {.learnable_pos_emb_clipping = -1}); },
+               "RelPosSelfAttention", {"learnable_pos_emb_clipping must be >= 0"});
 }
 
 INSTANTIATE_TEST_SUITE_P(AllBackends, Modules, ::testing::ValuesIn(backend_names()), testing::backend_param_name);

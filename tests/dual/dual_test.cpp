@@ -53,14 +53,16 @@ const std::map<std::string, std::set<std::string>>& cpu_kernels() {
 //   and unequal qk and v head dims; both reject kv lengths over the query's
 //   own dims (per-row lengths: their mask is per batch entry).
 // - cuda_flash (backends/adapters/cuda_flash_gate.cpp) takes bfloat16 and
-//   float16 with equal head dims of 64 or 128. ATen's CUDA kernels may take
+//   float16 with equal head dims of 64 or 128, without relative positions. ATen's CUDA kernels may take
 //   or reject a case (optional_kernels): their gates are ATen's, not checked
 //   on a device here.
 std::set<std::string> expected_kernels(const AttentionCase& c, const std::string& backend, Device device) {
   std::set<std::string> k;
   if (device.type == DeviceType::cuda) {
     const bool half = c.dtype == DType::bfloat16 || c.dtype == DType::float16;
-    if (half && c.head_dim == c.head_dim_v && (c.head_dim == 64 || c.head_dim == 128)) k.insert("cuda_flash");
+    // Relative positions: rejected until cuda_flash has run on a GPU.
+    if (half && c.head_dim == c.head_dim_v && (c.head_dim == 64 || c.head_dim == 128) && !c.variants.rel_pos)
+      k.insert("cuda_flash");
     return k;
   }
   k.insert("cpu_flash");

@@ -344,6 +344,54 @@ const std::map<std::string, ErrorCase>& error_cases() {
           o.variants.kv_segments = from_host({e.enc}, {0, 0, 1, 1, 1}, e.i64);
           dot_attention(e.q, e.k, e.v, o);
         }}},
+      {"rel_pos_biases_without_table",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.variants.pos_bias_u = random_normal({e.feat}, 5, e.f32);
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"rel_pos_table_without_key_dim",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.query_position_dim = e.time;
+          o.variants.pos_emb = random_normal({Dim("rel", 7)}, 5, e.f32);
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"rel_pos_table_two_own_dims",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.query_position_dim = e.time;
+          o.variants.pos_emb = random_normal({Dim("rel", 7), Dim("other", 2), e.feat}, 5, e.f32);
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"rel_pos_table_extent",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.query_position_dim = e.time;
+          o.variants.pos_emb = random_normal({Dim("rel", 6), e.feat}, 5, e.f32);
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"rel_pos_without_position",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.variants.pos_emb = random_normal({Dim("rel", 7), e.feat}, 5, e.f32);
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
+      {"rel_pos_table_over_self_attention_axis",
+       {[](const Ex& e) {
+          const Tensor x = random_normal({e.batch, e.enc, e.feat}, 1, e.f32);
+          AttentionOptions o{.key_dim = e.feat, .axis = e.enc};
+          o.variants.pos_emb = random_normal({e.enc, e.feat}, 5, e.f32);
+          dot_attention(x, x, x, o);
+        }}},
+      {"rel_pos_in_a_block",
+       {[](const Ex& e) {
+          AttentionOptions o = e.opts();
+          o.query_position_dim = e.time;
+          o.positions = AttentionPositions{3, 0};
+          o.variants.pos_emb = random_normal({Dim("rel", 7), e.feat}, 5, e.f32);
+          dot_attention(e.q, e.k, e.v, o);
+        }}},
       // --- blocks of a longer sequence ---
       {"positions_without_position",
        {[](const Ex& e) {

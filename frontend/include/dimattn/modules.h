@@ -96,6 +96,8 @@ struct AttentionConfig {
   // SelfAttention, causal for CausalSelfAttention; table from seed + 7. Not
   // for CrossAttention.
   std::optional<RelativePositionBuckets> relative_position;
+  // Biases of the input and output projections (RETURNN's with_bias).
+  bool with_bias = true;
 };
 
 // ALiBi's slopes for `num_heads` heads (Press et al., "Train Short, Test
@@ -160,6 +162,47 @@ class CausalSelfAttention : public SelfAttention {
   // entry b attends the history and chunk positions <= i (a dynamic axis: the
   // first lengths[b] positions are entry b's chunk).
   std::pair<Tensor, State> chunk(const Tensor& x, const Dim& axis, const State& state) const;
+};
+
+// Transformer-XL's sinusoidal table over {rel, feat} (rel of query_extent +
+// kv_extent - 1 rows, feat even): row r encodes the relative position j - i =
+// r - (query_extent - 1), its first half sin(pos / 10000^(2c / feat)), its
+// second half the cosines (RETURNN's rf.relative_positional_encoding).
+Tensor relative_positional_encoding(int64_t query_extent, int64_t kv_extent, const Dim& rel, const Dim& feat,
+                                    const TensorOptions& opts = {});
+
+// RETURNN's rf.RelPosSelfAttention options; the defaults are Transformer-XL's.
+struct RelPosConfig {
+  bool with_linear_pos = true;  // the table projected by linear_pos (in_dim -> key_dim_total or per head)
+  bool with_pos_bias = true;    // pos_bias_u and pos_bias_v
+  bool learnable_pos_emb = false;        // a learned table instead of the sinusoidal one
+  int64_t learnable_pos_emb_clipping = 16;  // its relative positions clipped to +-this
+  bool separate_pos_emb_per_head = true;    // a table per head, else one shared by all heads
+  double pos_emb_dropout = 0.0;             // on the table, while the train flag is on
+};
+
+// Self-attention with relative positions, Transformer-XL style (the
+// Conformer's; RETURNN's rf.RelPosSelfAttention, its parameters and
+// layouts): x {..., axis, in_dim} -> {..., axis, proj_dim}; the energy of
+// positions i and j is scale * ((q_i + u) . k_j + (q_i + v) . p[j - i]),
+// computed in the kernels from the table p (dot_attention's pos_emb, never a
+// [T, T] tensor). Parameters: qkv and proj (SelfAttention's), linear_pos (seed
+// + 8), learned_pos_emb {2 clipping + 1, in_dim or the per-head dim} (U(-1, 1),
+// seed + 9), pos_bias_u and pos_bias_v {heads, key_dim_per_head}
+// (Glorot-uniform, seeds + 10, + 11).
+class RelPosSelfAttention : public SelfAttention {
+ public:
+  explicit RelPosSelfAttention(const AttentionConfig& config, const RelPosConfig& rel = {});
+  Tensor operator()(const Tensor& x, const Dim& axis) const;
+  // The table of a sequence of `extent` positions over {rel (2 extent - 1),
+  // key_dim_per_head} and, per head, {heads}: what dot_attention gets as pos_emb.
+  Tensor position_table(int64_t extent, const Dim& rel) const;
+
+  RelPosConfig rel;
+  Dim pos_emb_feat_dim, clipped;
+  std::optional<Linear> linear_pos;
+  std::optional<Tensor> learned_pos_emb;  // {clipped, pos_emb_feat_dim}
+  std::optional<Tensor> pos_bias_u, pos_bias_v;  // {heads, key_dim_per_head}
 };
 
 class CrossAttention {
