@@ -3,10 +3,10 @@ SelfAttention, CausalSelfAttention and CrossAttention (frontend/include/dimattn/
 modules.h) over :func:`dimattn.dot_attention`, and RelPosSelfAttention (the
 Conformer's, RETURNN's parameters; Python only so far).
 
-The parameters are laid out as the C++ modules' are, so that a C++ and a Python
-module with the same weights give the same result: a :class:`Linear`'s weight is
-``[in_dim, out_dim]`` (RETURNN's order, not torch.nn.Linear's), and the fused qkv
-weight is head-major: per head, its q, then k, then v columns (CrossAttention's kv
+The parameters are laid out as torch's are, so that torch and Hugging Face
+checkpoints load as they are: a :class:`Linear`'s weight is ``[out_dim, in_dim]``
+(torch.nn.Linear's order; the C++ Linear's named weight and RETURNN's are its
+transpose), and the fused qkv weight is head-major: per head, its q, then k, then v columns (CrossAttention's kv
 weight: per head, k then v). Initialisation follows the C++ modules' distributions
 (U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weights and biases, U(-1, 1) for sinks and
 the relative position table), drawn from torch's generator instead of a seed.
@@ -233,15 +233,16 @@ class RelativePositionBias(torch.nn.Module):
 # --- the modules ------------------------------------------------------------------------
 
 class Linear(torch.nn.Module):
-    """``x {..., in_dim} -> {..., out_dim}``: ``x · weight + bias`` with ``weight``
-    ``[in_dim, out_dim]`` (the C++ Linear's and RETURNN's order) and ``bias``
-    ``[out_dim]``, both U(-1/sqrt(in), 1/sqrt(in))."""
+    """``x {..., in_dim} -> {..., out_dim}``: ``x · weightᵀ + bias`` with ``weight``
+    ``[out_dim, in_dim]`` (torch.nn.Linear's order, so that torch and Hugging Face
+    checkpoints load as they are; RETURNN's and the C++ Linear's named weight is its
+    transpose) and ``bias`` ``[out_dim]``, both U(-1/sqrt(in), 1/sqrt(in))."""
 
     def __init__(self, in_dim: Dim, out_dim: Dim, *, with_bias: bool = True, device=None, dtype=None):
         super().__init__()
         self.in_dim = _static_dim("Linear", "in_dim", in_dim)
         self.out_dim = _static_dim("Linear", "out_dim", out_dim)
-        self.weight = torch.nn.Parameter(torch.empty(in_dim.size, out_dim.size, device=device, dtype=dtype))
+        self.weight = torch.nn.Parameter(torch.empty(out_dim.size, in_dim.size, device=device, dtype=dtype))
         if with_bias:
             self.bias = torch.nn.Parameter(torch.empty(out_dim.size, device=device, dtype=dtype))
         else:
@@ -260,7 +261,7 @@ class Linear(torch.nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         _check_input("Linear", "x", x, ("in_dim", self.in_dim))
         rest = [d for d in x.dims if d is not self.in_dim]
-        y = torch.nn.functional.linear(x.raw_in(rest + [self.in_dim]), self.weight.t(), self.bias)
+        y = torch.nn.functional.linear(x.raw_in(rest + [self.in_dim]), self.weight, self.bias)
         return Tensor(y, rest + [self.out_dim])
 
 

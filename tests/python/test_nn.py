@@ -68,7 +68,7 @@ def plain_self_attention(m, x, lengths, causal):
     head-major (per head q, k, v columns), the variants in the documented order."""
     Bx, T, _ = x.shape
     H, K, V = m.num_heads, m.key_dim_per_head.size, m.value_dim_per_head.size
-    qkv = (x @ m.qkv.weight + m.qkv.bias).reshape(Bx, T, H, 2 * K + V).transpose(1, 2)
+    qkv = (x @ m.qkv.weight.t() + m.qkv.bias).reshape(Bx, T, H, 2 * K + V).transpose(1, 2)
     q, k, v = qkv[..., :K], qkv[..., K:2 * K], qkv[..., 2 * K:]
     e = q @ k.transpose(-1, -2) / math.sqrt(K)
     if m.variants.softcap:
@@ -97,7 +97,7 @@ def plain_self_attention(m, x, lengths, causal):
     else:
         w = torch.softmax(e, -1).nan_to_num(0.0)
     o = (w @ v).transpose(1, 2).reshape(Bx, T, H * V)
-    return o @ m.proj.weight + m.proj.bias
+    return o @ m.proj.weight.t() + m.proj.bias
 
 
 @pytest.mark.parametrize("causal,config", [(False, c) for c in CONFIGS] + [(True, c) for c in CAUSAL_CONFIGS])
@@ -119,8 +119,8 @@ def test_cross_attention_equals_plain_torch_from_the_head_major_layout(variants)
     y = m(da.Tensor(x, [batch, beam, inp]), m.transform_encoder(da.Tensor(e, [batch, enc, enc_feat]), enc))
     assert list(y.dims) == [batch, beam, out]
     H, K, V = 2, 2, 3
-    q = (x @ m.query.weight + m.query.bias).reshape(B, 3, H, K).transpose(1, 2)
-    kv = (e @ m.kv.weight + m.kv.bias).reshape(B, 4, H, K + V).transpose(1, 2)  # per head k, then v
+    q = (x @ m.query.weight.t() + m.query.bias).reshape(B, 3, H, K).transpose(1, 2)
+    kv = (e @ m.kv.weight.t() + m.kv.bias).reshape(B, 4, H, K + V).transpose(1, 2)  # per head k, then v
     k, v = kv[..., :K], kv[..., K:]
     energy = q @ k.transpose(-1, -2) / math.sqrt(K)
     if variants.get("softcap"):
@@ -131,7 +131,7 @@ def test_cross_attention_equals_plain_torch_from_the_head_major_layout(variants)
         w = torch.softmax(torch.cat([energy, sink.expand(B, H, 3, 1)], -1), -1)[..., :4]
     else:
         w = torch.softmax(energy, -1)
-    want = (w @ v).transpose(1, 2).reshape(B, 3, H * V) @ m.proj.weight + m.proj.bias
+    want = (w @ v).transpose(1, 2).reshape(B, 3, H * V) @ m.proj.weight.t() + m.proj.bias
     assert (y.raw - want).abs().max() <= 1e-12
 
 

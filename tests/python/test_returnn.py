@@ -478,7 +478,9 @@ def test_nn_rel_pos_self_attention_is_returnns_module(config):
     with torch.no_grad():
         for name, p in ours.named_parameters():
             src = {"learned_pos_emb": "learned_pos_emb.pos_emb"}.get(name, name)
-            p.copy_(theirs[src].raw_tensor)
+            raw = theirs[src].raw_tensor
+            # RETURNN's Linear weight is [in, out], torch's (and dimattn.nn's) [out, in].
+            p.copy_(raw.t() if name.endswith(".weight") else raw)
     assert {n for n, _ in ours.named_parameters()} == {n.replace("learned_pos_emb.pos_emb", "learned_pos_emb")
                                                          for n in theirs}
     out = ours(da.Tensor(x.raw_tensor.detach(), [d_batch, d_time, d_model]), d_time)
