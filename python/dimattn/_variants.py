@@ -1,13 +1,14 @@
 """Variants: a call's variants as one value, the Python side of the C++
 ``AttentionVariants`` (core/include/dimattn/variants.h).
 
-The class is made from the op library's own list of variant fields
-(``dimattn::variant_fields``: each field's name and kind), and a call's
-variants reach the op as its typed arguments by the same list, so a variant
-added in C++ is here without a change. Kinds: ``number`` (a float), ``flag``
-(a bool), ``window`` (a pair ``(left, right)`` of ints, ``None`` for an unbounded
-side), ``tensor`` (a :class:`dimattn.Tensor` over dims of the call, a constant),
-``learnable`` (a tensor that gets a gradient).
+The class is written out (typed and documented fields); a call's variants
+reach the op as its typed arguments by the op library's own list of variant
+fields (``dimattn::variant_fields``: each field's name and kind), and
+tests/python/test_variants.py checks that the class's fields are that list.
+Kinds: ``number`` (a float), ``flag`` (a bool), ``window`` (a pair ``(left,
+right)`` of ints, ``None`` for an unbounded side), ``tensor`` (a
+:class:`dimattn.Tensor` over dims of the call, a constant), ``learnable`` (a
+tensor that gets a gradient).
 """
 from __future__ import annotations
 
@@ -24,14 +25,44 @@ _KINDS = dict(_FIELDS)
 TENSOR_FIELDS = tuple(name for name, kind in _FIELDS if kind in ("tensor", "learnable"))
 LEARNABLE_FIELDS = tuple(name for name, kind in _FIELDS if kind == "learnable")
 
-Variants = dataclasses.make_dataclass(
-    "Variants", [(name, object, dataclasses.field(default=False if kind == "flag" else None)) for name, kind in _FIELDS],
-    frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
+class Variants:
+    """The variants of a dot_attention call as one value (docs/python.md, "Variants";
+    docs/api.md for their exact meaning), passed whole as ``dot_attention(...,
+    variants=Variants(...))`` or field by field as keywords of dot_attention. Tensors are
+    :class:`dimattn.Tensor` over dims of the call, broadcast by name.
+
+    Attributes:
+        window: ``(left, right)`` kv positions around each row's diagonal, ``None`` for an
+            unbounded side; measured along the query's positional dim.
+        softcap: energies become ``softcap * tanh(energy / softcap)``; > 0.
+        alibi_slopes: ALiBi slopes over per-head dims: energy -= slope * |i + offset - j|.
+        sinks: a learnable logit over per-head dims in every row's softmax denominator.
+        sink_off_by_one: the fixed sink logit 0.
+        bias: a learnable additive bias over any of the call's dims but features.
+        mask: a bool mask over the same dims, True = may attend.
+        query_segments: integer segment ids of the query positions (document masking).
+        kv_segments: integer segment ids of the kv positions; equal ids attend.
+        pos_emb: relative positions (Transformer-XL): a learnable table over key_dim, one
+            relative-position dim and per-head dims (Tq + Tk - 1 rows, or the kv axis).
+        pos_bias_u: the content term's learnable bias (Transformer-XL's u) over key_dim.
+        pos_bias_v: the positional term's learnable bias (Transformer-XL's v) over key_dim.
+    """
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None
+    softcap: Optional[float] = None
+    alibi_slopes: Optional[Tensor] = None
+    sinks: Optional[Tensor] = None
+    sink_off_by_one: bool = False
+    bias: Optional[Tensor] = None
+    mask: Optional[Tensor] = None
+    query_segments: Optional[Tensor] = None
+    kv_segments: Optional[Tensor] = None
+    pos_emb: Optional[Tensor] = None
+    pos_bias_u: Optional[Tensor] = None
+    pos_bias_v: Optional[Tensor] = None
+
+
 Variants.__module__ = "dimattn"
-Variants.__doc__ = (
-    "The variants of a dot_attention call as one value (docs/python.md, \"Variants\"), passed whole as\n"
-    "``dot_attention(..., variants=Variants(...))`` or field by field as keywords. Fields: "
-    + ", ".join(f"{name} ({kind})" for name, kind in _FIELDS) + ".")
 
 
 def merged(variants: Optional["Variants"], keywords: Dict[str, object]) -> Optional["Variants"]:
