@@ -70,10 +70,10 @@ def dot_attention(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, 
         # The common eager call: one lookup of the encoding that the path below
         # cached for the same Dims and options.
         try:
-            e = _call.encodings.get((query.dims, keys.dims, values.dims, key_dim, axis, att_dropout,
-                                     att_dropout_broadcast, causal_query_spatial_dim, causal_offset, scale,
-                                     st.train if train is None else bool(train), query_position_dim,
-                                     st.force[-1] if st.force else None, ()))
+            e = _call.encodings.get(_call.encoding_key(
+                query.dims, keys.dims, values.dims, key_dim, axis, att_dropout, att_dropout_broadcast,
+                causal_query_spatial_dim, causal_offset, scale, st.train if train is None else bool(train),
+                query_position_dim, st.force[-1] if st.force else None, ()))
         except (AttributeError, TypeError):  # not dimattn.Tensors: the path below says so
             e = None
         if e is not None:

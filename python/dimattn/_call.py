@@ -226,12 +226,19 @@ def raise_as_error(err: RuntimeError):
     raise err
 
 
-# Encodings of recent eager calls, oldest first, by the Dims (their identities:
-# the key holds them, so their ids stay unique), the options, the forced
-# kernels and the variants' structure (dot_attention's fast path looks up a
-# plain call's key itself).
+# Encodings of recent eager calls, oldest first, by encoding_key (dot_attention's
+# fast path looks up a plain call's key itself, made by the same function).
 encodings: Dict[tuple, Encoding] = {}
 _ENCODINGS_KEPT = 256
+
+
+def encoding_key(query_dims, keys_dims, values_dims, key_dim, axis, att_dropout, att_dropout_broadcast, causal_dim,
+                 offset, scale, train, position, force, variant_structure) -> tuple:
+    """The one key of `encodings`: the Dims (their identities: the key holds them, so
+    their ids stay unique), the options (a causal offset as an int or its Dims), the
+    forced kernels and the variants' structure."""
+    return (query_dims, keys_dims, values_dims, key_dim, axis, att_dropout, att_dropout_broadcast, causal_dim, offset,
+            scale, train, position, force, variant_structure)
 
 
 def cached_encoding(query: Tensor, keys: Tensor, values: Tensor, o: Options, variants) -> Encoding:
@@ -240,9 +247,9 @@ def cached_encoding(query: Tensor, keys: Tensor, values: Tensor, o: Options, var
     offset = o.causal_offset
     if isinstance(offset, torch.Tensor):  # a new tensor per call, as a rule: not cached
         return encode(query, keys, values, o, variants, out_dims(query, keys, values, o.key_dim, o.axis))
-    key = (query.dims, keys.dims, values.dims, o.key_dim, o.axis, o.att_dropout, o.att_dropout_broadcast,
-           o.causal_query_spatial_dim, offset.dims if isinstance(offset, Tensor) else offset, o.scale, o.train,
-           o.query_position_dim, forced(), _variants.structure(variants))
+    key = encoding_key(query.dims, keys.dims, values.dims, o.key_dim, o.axis, o.att_dropout, o.att_dropout_broadcast,
+                       o.causal_query_spatial_dim, offset.dims if isinstance(offset, Tensor) else offset, o.scale,
+                       o.train, o.query_position_dim, forced(), _variants.structure(variants))
     hit = encodings.get(key)
     if hit is None:
         hit = encode(query, keys, values, o, variants, out_dims(query, keys, values, o.key_dim, o.axis))

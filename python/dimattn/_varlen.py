@@ -64,10 +64,9 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 class PackedCall:
-    """A packed call as a dot_attention call (``parts``: its named operands and
-    keyword arguments, one part; none when no token attends) and its output as the
-    packed rows (``run``). dimattn.returnn asks the selection about the part before
-    it runs."""
+    """A packed call as a dot_attention call (``part``: its named operands and keyword
+    arguments; None when no token attends) and its output as the packed rows
+    (``run``). dimattn.returnn asks the selection about the part before it runs."""
 
     def __init__(self, query, key, value, starts_q, lens_q, starts_k, lens_k, max_len_q, max_len_k, *, causal,
                  dropout_p, scale, op):
@@ -78,20 +77,20 @@ class PackedCall:
             raise Error(f"[{op}] dropout_p must be in [0, 1), got {dropout_p}")
         self.shape = (query.shape[0], query.shape[1], value.shape[2])
         self.inputs = (query, key, value)
-        self.parts = []
+        self.part = None
         if query.shape[0] == 0 or n == 0 or key.shape[0] == 0:
             return
         on = dict(device=query.device, dtype=torch.int64)
-        self.parts.append(_InPlace(query, key, value, starts_q.to(**on), lens_q.to(**on), starts_k.to(**on),
-                                   lens_k.to(**on), causal=causal, dropout_p=dropout_p, scale=scale))
+        self.part = _InPlace(query, key, value, starts_q.to(**on), lens_q.to(**on), starts_k.to(**on),
+                             lens_k.to(**on), causal=causal, dropout_p=dropout_p, scale=scale)
 
     def run(self) -> torch.Tensor:
         """The packed ``[tokens_q, heads, Dv]`` output, 0 in gap rows (all 0, still on
         the autograd graph, when nothing attends)."""
         query, key, value = self.inputs
-        if not self.parts:
+        part = self.part
+        if part is None:
             return query.new_zeros(self.shape) + 0 * (query.sum() + key.sum() + value.sum())
-        part = self.parts[0]
         return part.rows(dot_attention(part.query, part.keys, part.values, **part.kwargs))
 
 

@@ -480,10 +480,10 @@ def _sdpa_varlen_raw(**kw) -> Optional[torch.Tensor]:
                            f"strict mode to let RETURNN take its own packed paths for such calls") from None
         _count("fallback", f"packed: {why}")
         return patch.original_varlen(**kw)
-    if not call.parts:  # no token attends: nothing to select
+    part = call.part
+    if part is None:  # no token attends: nothing to select
         return call.run()
-    first = call.parts[0]
-    decision = _decision(first.query, first.keys, first.values, first.kwargs)
+    decision = _decision(part.query, part.keys, part.values, part.kwargs)
     if decision.kernel == "reference":
         _count("reference", "dimattn selected its reference path (packed)")
         return patch.original_varlen(**kw)

@@ -100,3 +100,20 @@ def test_dynamic_axis_in_no_operand_keeps_its_message():
     other = da.Dim.dynamic("other", da.Tensor(torch.tensor([3, 2]), [batch]))
     with pytest.raises(da.Error, match=r"axis other\[<=3 over batch\] is not in keys"):
         da.dot_attention(q, k, k, key_dim=feat, axis=other)
+
+
+def test_a_plain_call_repeated_hits_the_fast_path(monkeypatch):
+    """dot_attention's fast path and the cache behind it make one key
+    (_call.encoding_key): a plain call repeated finds its encoding there, without
+    the general path; a call with a new option misses and takes it."""
+    from dimattn import _call
+    batch, heads, time, feat = da.Dim("batch", B), da.Dim("heads", H), da.Dim("time", T), da.Dim("feat", D)
+    q = named([batch, heads, time, feat], 1)
+    kw = dict(key_dim=feat, axis=time, causal_query_spatial_dim=time, scale=0.3)
+    first = da.dot_attention(q, q, q, **kw)  # encodes, through the general path
+    general = []
+    monkeypatch.setattr(_call, "cached_encoding", lambda *a: general.append(a) or pytest.fail("general path"))
+    again = da.dot_attention(q, q, q, **kw)
+    assert torch.equal(first.raw, again.raw) and not general
+    with pytest.raises(pytest.fail.Exception, match="general path"):
+        da.dot_attention(q, q, q, **{**kw, "scale": 0.4})
