@@ -133,8 +133,7 @@ namespace {
 // tensor lacks it).
 std::vector<int64_t> per_head_offsets(const AttentionCall& c, const std::function<int64_t(const Dim&)>& stride_of) {
   const Dims flat = per_head_dims(c);
-  int64_t n = 1;
-  for (const Dim& d : flat) n *= d.extent();
+  const int64_t n = product(flat);
   std::vector<int64_t> offsets(static_cast<size_t>(n), 0);
   int64_t inner = 1;
   for (size_t a = flat.size(); a-- > 0;) {

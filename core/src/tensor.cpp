@@ -23,9 +23,7 @@ std::vector<int64_t> Tensor::shape() const {
 }
 
 int64_t Tensor::numel() const {
-  int64_t n = 1;
-  for (const Dim& d : dims_) n *= d.extent();
-  return n;
+  return product(dims_);
 }
 
 std::string Tensor::repr() const {

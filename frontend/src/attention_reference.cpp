@@ -31,8 +31,7 @@ Tensor attention_dropout_keep_mask(const AttentionCall& c, const Tensor& like) {
   Dims flat = c.batch;
   flat.insert(flat.end(), c.keys_only.begin(), c.keys_only.end());
   flat.insert(flat.end(), c.query_groups.begin(), c.query_groups.end());
-  int64_t nbh = 1;
-  for (const Dim& d : flat) nbh *= d.extent();
+  const int64_t nbh = product(flat);
   const int64_t nq = c.query_spatial.extent();
   std::vector<double> keep(static_cast<size_t>(nbh * nq * nk));
   size_t i = 0;

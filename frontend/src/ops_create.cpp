@@ -91,8 +91,7 @@ Tensor random_uniform(const Dims& dims, uint64_t seed, const TensorOptions& opts
 
 Tensor from_host(const Dims& dims, const std::vector<double>& data, const TensorOptions& opts) {
   check_unique("from_host", dims);
-  int64_t n = 1;
-  for (const Dim& d : dims) n *= d.extent();
+  const int64_t n = product(dims);
   DIMATTN_CHECK(static_cast<int64_t>(data.size()) == n, "from_host", "dims ", repr(dims), " hold ", n,
         " elements but ", data.size(), " values were given");
   Backend& b = backend_for(opts, "from_host");

@@ -135,11 +135,6 @@ Tensor matmul(const Tensor& a, const Tensor& b, const Dims& reduce) {
   }
   for (const Dim& d : b.dims())
     if (!contains(reduce, d) && !a.has(d)) b_only.push_back(d);
-  auto product = [](const Dims& ds) {
-    int64_t n = 1;
-    for (const Dim& d : ds) n *= d.extent();
-    return n;
-  };
   auto concat3 = [](Dims x, const Dims& y, const Dims& z) {
     x.insert(x.end(), y.begin(), y.end());
     x.insert(x.end(), z.begin(), z.end());

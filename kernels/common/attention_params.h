@@ -81,7 +81,6 @@ inline std::string element_type_list(ElementTypeSet set) {
 // lse and every internal sum are kept in the accumulation type: float32 for
 // float32, bfloat16 and float16, float64 for float64 (whose 1e-10 tolerance a float32
 // lse could not meet in the backward pass).
-inline bool accumulates_in_double(ElementType t) { return t == ElementType::float64; }
 
 // Element strides of one 4-d tensor. `last` exists only so that validate()
 // can reject a caller whose innermost dim is not contiguous: kernels load
