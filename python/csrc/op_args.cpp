@@ -174,6 +174,20 @@ OpArgs::OperandNames OpArgs::operand_names() const {
   return n;
 }
 
+std::string OpArgs::argument_name(size_t i) const {
+  static const std::vector<std::string> names = names_in(Parts::context_parallel);
+  return names.at(i);
+}
+
+void OpArgs::for_each_variant(const std::function<void(const std::string&, const c10::IValue&)>& fn) const {
+  const c10::IValue* v = variants();
+  if (v == nullptr) return;
+  for_each_variant_field([&](const char* name, const FieldArgs& f) {
+    fn(name, *v);
+    v += f.count;
+  });
+}
+
 std::string OpArgs::structure_key() const {
   std::string key;
   key.reserve(512);

@@ -39,6 +39,7 @@
 #include <ATen/core/ivalue.h>
 
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -97,6 +98,10 @@ class OpArgs {
     std::vector<std::string> query, keys, values, out;
   };
   OperandNames operand_names() const;
+  // The name of the argument at position i after the query (0: query).
+  std::string argument_name(size_t i) const;
+  // fn(field name, its value argument) for each variant field (none for an op without them).
+  void for_each_variant(const std::function<void(const std::string&, const c10::IValue&)>& fn) const;
   // The first argument after the groups (the trace op's energy_dims).
   const c10::IValue& after() const { return first_[count(parts_)]; }
   // How many IValues the groups up to `parts` take.

@@ -23,15 +23,23 @@
 //
 // Under torch.autocast the ops cast their inputs as torch's own SDPA does
 // (autocast_op). Autograd is a C++ kernel on the Autograd key, so that
-// eager calls pay no Python autograd wrapper. Backward is its own op (CPU and CUDA keys, and a
-// fake kernel in Python), so that torch.compile's AOTAutograd traces both
-// passes without a graph break. It recomputes the forward pass with autograd
-// on, through the torch backend's own autograd (every kernel of its table
-// has one), from the same dropout seed, so the same mask is drawn. The
-// learnable variant tensors (AttentionVariants::learnable: the sinks, the
-// bias, the relative positions' table and biases) get gradients: the backward op's list output, one per such tensor
-// the call has, in field order, each in its tensor's shape (summed over the
-// dims it was broadcast along).
+// eager calls pay no Python autograd wrapper (the torch backend's own node
+// keeps the kernel's output and lse). Traced calls (torch.compile) record ops
+// with fake kernels in Python, so that AOTAutograd traces both passes without
+// a graph break: where the kernel gives each row's lse (cpu_flash, no sinks)
+// the forward op dot_attention_lse returns the output and the lse and
+// dot_attention_backward.lse takes them, so backward never computes the
+// forward pass again; other calls record dot_attention.full and
+// dot_attention_backward, which recomputes the forward pass with autograd on
+// from the same dropout seed. The learnable variant tensors
+// (AttentionVariants::learnable: the sinks, the bias, the relative positions'
+// table and biases) get gradients: the backward ops' list output, one per
+// such tensor the call has, in field order, each in its tensor's shape
+// (summed over the dims it was broadcast along).
+//
+//   dimattn::dot_attention_lse(<call>, <full>) -> (Tensor output, Tensor lse)
+//   dimattn::dot_attention_backward.lse(Tensor grad_output, Tensor output, Tensor lse, <call>, <full>)
+//       -> (Tensor, Tensor, Tensor, Tensor[])
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -172,6 +180,7 @@ struct CallPlan {
   };
   std::vector<Dynamic> dynamic;  // in an order that makes the dims of a dim's lengths first
   Names q_names, k_names, v_names, out_names;
+  Names lse_names;  // out_names without the value features: each row's lse (dot_attention_lse)
   Dims q, k, v;  // the operands' Dims, for a call without dynamic dims
 
   explicit CallPlan(const OpArgs& a) : CallPlan(a, a.operand_names()) {}
@@ -235,6 +244,12 @@ struct CallPlan {
       k = of(k_names);
       v = of(v_names);
     }
+    // The value features as dot_attention's roles make them: key_dim, or dims
+    // neither the query nor the keys have.
+    const std::string key_dim = a[Arg::key_dim].toStringRef();
+    auto has = [](const Names& ns, const std::string& n) { return std::find(ns.begin(), ns.end(), n) != ns.end(); };
+    for (const std::string& n : out_names)
+      if (!(has(v_names, n) && (n == key_dim || (!has(k_names, n) && !has(q_names, n))))) lse_names.push_back(n);
   }
 
   // The slot of a dim of the call; fails naming it otherwise.
@@ -496,6 +511,64 @@ void dot_attention_backward_op(const c10::OperatorHandle&, torch::jit::Stack* st
   stack->emplace_back(c10::List<at::Tensor>(learned));
 }
 
+// dot_attention_lse: the call as one block (dot_attention_block): its output
+// and each row's lse, what dot_attention_backward.lse needs.
+void dot_attention_lse_op(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const OpArgs a = call_on(stack, Parts::full);
+  at::Tensor out, lse;
+  {
+    const at::NoGradGuard no_grad;
+    const Call c = make_call(a);
+    const RunScope scope(a);
+    const AttentionBlock r = dot_attention_block(*c.q, *c.k, *c.v, c.opts);
+    out = in_order(r.output, c.plan->out_names, c.table, "the output", a);
+    lse = in_order(r.lse, c.plan->lse_names, c.table, "the lse", a);
+  }
+  torch::jit::drop(*stack, OpArgs::count(Parts::full));
+  stack->emplace_back(std::move(out));
+  stack->emplace_back(std::move(lse));
+}
+
+// dot_attention_backward.lse: the gradients from the forward's output and lse
+// (dot_attention_block_backward of the call as its own one block), without
+// computing the forward pass again.
+void dot_attention_backward_lse_op(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const size_t n = OpArgs::count(Parts::full);
+  const at::Tensor grad_out = (stack->end() - static_cast<std::ptrdiff_t>(n) - 3)->toTensor();
+  const at::Tensor out = (stack->end() - static_cast<std::ptrdiff_t>(n) - 2)->toTensor();
+  const at::Tensor lse = (stack->end() - static_cast<std::ptrdiff_t>(n) - 1)->toTensor();
+  // The learnable tensors as leaves that require grad: the kernels' adapters
+  // write a gradient only for those (on a backend with autograd).
+  std::vector<c10::IValue> args(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
+  const OpArgs a(args.data(), Parts::full);
+  const std::vector<size_t> learning = learnable_args(a);
+  for (const size_t i : learning) args[i] = args[i].toTensor().detach().requires_grad_(true);
+  std::vector<at::Tensor> grads;
+  {
+    const at::NoGradGuard no_grad;
+    const Call c = make_call(a);
+    const RunScope scope(a);
+    const DimTable& t = c.table;
+    const CallPlan& p = *c.plan;
+    const AttentionBlock merged{from_aten(out, t.dims(p.out_names)), from_aten(lse, t.dims(p.lse_names))};
+    const AttentionGrads g =
+        dot_attention_block_backward(*c.q, *c.k, *c.v, c.opts, merged, from_aten(grad_out, t.dims(p.out_names)));
+    grads = {in_order(g.query, p.q_names, t, "d(query)", a), in_order(g.keys, p.k_names, t, "d(keys)", a),
+             in_order(g.values, p.v_names, t, "d(values)", a)};
+    // The learnable tensors' in field order, each over its argument's names.
+    for (const size_t i : learning) {
+      const std::string name = a.argument_name(i);
+      const std::optional<Tensor>& d = *g.variants.tensor_field(name);
+      const at::Tensor& like = (&a[Arg::query])[i].toTensor();
+      grads.push_back(d ? in_order(*d, names_of((&a[Arg::query])[i + 1]), t, name.c_str(), a)
+                        : at::zeros_like(like, at::MemoryFormat::Contiguous));
+    }
+  }
+  torch::jit::drop(*stack, n + 3);
+  for (size_t i = 0; i < 3; ++i) stack->emplace_back(grads[i]);
+  stack->emplace_back(c10::List<at::Tensor>(std::vector<at::Tensor>(grads.begin() + 3, grads.end())));
+}
+
 void dot_attention_trace_op(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const OpArgs a = call_on(stack, Parts::full, 1);  // and energy_dims
   const Names energy_names = names_of(a.after());
@@ -587,6 +660,59 @@ class DotAttentionFunction : public torch::autograd::Function<DotAttentionFuncti
   }
 };
 
+// The traced call's autograd when its kernel gives each row's lse: the
+// forward op returns the output and the lse, the backward op takes them and
+// runs the kernel's backward pass alone (as the eager path's node does).
+class DotAttentionLseFunction : public torch::autograd::Function<DotAttentionLseFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList /*inputs: in args*/,
+                            const c10::IValue& args) {
+    const std::vector<c10::IValue> r = call_below_autograd("dimattn::dot_attention_lse", "", args.toListRef().vec());
+    ctx->saved_data["args"] = args;
+    ctx->save_for_backward({r[0].toTensor(), r[1].toTensor()});
+    return r[0].toTensor();
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    std::vector<c10::IValue> args = ctx->saved_data["args"].toListRef().vec();
+    args.insert(args.begin(), {grads[0], saved[0], saved[1]});
+    const std::vector<c10::IValue> out = call_below_autograd("dimattn::dot_attention_backward", "lse", std::move(args));
+    torch::autograd::variable_list g{out[0].toTensor(), out[1].toTensor(), out[2].toTensor()};
+    for (const at::Tensor& t : out[3].toTensorList().vec()) g.push_back(t);
+    g.emplace_back();  // args: no gradient
+    return g;
+  }
+};
+
+// Whether a traced call can take DotAttentionLseFunction: its kernel is
+// cpu_flash (the CPU, cpu_flash not forced away, not a relative-position
+// gradient in deterministic mode, which cpu_flash's gate refuses), the call
+// has no sinks (a block's lse would count them) and no empty operand. Else the
+// backward op computes the forward pass again. (cuda_flash gives the lse too,
+// but has not run on a GPU: CUDA calls keep the recomputing path.)
+bool lse_route(const OpArgs& a) {
+  for (const Arg x : {Arg::query, Arg::keys, Arg::values}) {
+    const at::Tensor& t = a[x].toTensor();
+    // Symbolic sizes (dynamic shapes) are taken as not empty.
+    const std::optional<int64_t> numel = t.sym_numel().maybe_as_int();
+    if (t.device().type() != c10::DeviceType::CPU || numel == 0) return false;
+  }
+  const KernelForce env = current_kernel_force();
+  const Names forced = names_of(a[Arg::force]);
+  const bool allowed = forced.empty() ? env.allows("cpu_flash")
+                                      : std::find(forced.begin(), forced.end(), "cpu_flash") != forced.end() ||
+                                            std::find(forced.begin(), forced.end(), "auto") != forced.end();
+  if (!allowed) return false;
+  bool sinks = false, rel_pos = false;
+  a.for_each_variant([&](const std::string& name, const c10::IValue& v) {
+    if ((name == "sinks" || name == "sink_off_by_one") && !v.isNone() && !(v.isBool() && !v.toBool())) sinks = true;
+    if (name == "pos_emb" && !v.isNone()) rel_pos = true;
+  });
+  return !sinks && !(rel_pos && deterministic_algorithms());
+}
+
 // Whether t is a tracing wrapper rather than data: torch.compile's fake and
 // functional tensors, torch.func's transforms.
 bool traced(const at::Tensor& t) {
@@ -617,14 +743,18 @@ void dot_attention_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet k
     return;
   }
   // Traced (torch.compile's fake and functional tensors, torch.func's
-  // wrappers): the op and its backward op, which recomputes the forward pass,
-  // so that the graph holds both as ops. The saved call holds every variant
-  // argument (None where an op has none),
-  // as dot_attention.full and the backward op take them.
+  // wrappers): the graph holds the forward and backward passes as ops: the
+  // forward op returning the output and each row's lse and the backward op
+  // that takes them (DotAttentionLseFunction), or, for calls whose kernel
+  // gives no lse, the op and the backward op that computes the forward pass
+  // again. The saved call holds every variant argument (None where an op has
+  // none), as the .full ops take them.
   c10::impl::GenericList args(c10::AnyType::get());
   for (size_t i = 0; i < n; ++i) args.push_back((&a[Arg::query])[i]);
   for (size_t i = n; i < OpArgs::count(Parts::full); ++i) args.push_back(c10::IValue());
-  at::Tensor out = DotAttentionFunction::apply(at::TensorList(inputs), c10::IValue(args));
+  at::Tensor out = lse_route(a)
+                       ? DotAttentionLseFunction::apply(at::TensorList(inputs), c10::IValue(args))
+                       : DotAttentionFunction::apply(at::TensorList(inputs), c10::IValue(args));
   torch::jit::drop(*stack, n);
   stack->emplace_back(std::move(out));
 }
@@ -670,6 +800,10 @@ TORCH_LIBRARY(dimattn, m) {
         "context_parallel_attention(" + call_schema_arguments(Parts::context_parallel) + ") -> Tensor",
         "dot_attention_backward(" + call_schema_arguments(Parts::full, "Tensor grad_output, ") +
             ") -> (Tensor, Tensor, Tensor, Tensor[])",
+        "dot_attention_lse(" + call_schema_arguments(Parts::full) + ") -> (Tensor, Tensor)",
+        "dot_attention_backward.lse(" +
+            call_schema_arguments(Parts::full, "Tensor grad_output, Tensor output, Tensor lse, ") +
+            ") -> (Tensor, Tensor, Tensor, Tensor[])",
         "dot_attention_trace(" + call_schema_arguments(Parts::full, "", ", str[] energy_dims") + ") -> (Tensor, Tensor)",
         "explain(" + call_schema_arguments(Parts::full) + ") -> (str, str[], str[], str)"})
     m.def(schema.c_str());
@@ -686,6 +820,8 @@ void register_device_kernels(torch::Library& m) {
   m.impl("context_parallel_attention",
          torch::CppFunction::makeFromBoxedFunction<&dot_attention_op<Parts::context_parallel>>());
   m.impl("dot_attention_backward", torch::CppFunction::makeFromBoxedFunction<&dot_attention_backward_op>());
+  m.impl("dot_attention_lse", torch::CppFunction::makeFromBoxedFunction<&dot_attention_lse_op>());
+  m.impl("dot_attention_backward.lse", torch::CppFunction::makeFromBoxedFunction<&dot_attention_backward_lse_op>());
   m.impl("dot_attention_trace", torch::CppFunction::makeFromBoxedFunction<&dot_attention_trace_op>());
   m.impl("explain", torch::CppFunction::makeFromBoxedFunction<&explain_op>());
 }

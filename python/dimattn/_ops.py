@@ -68,3 +68,26 @@ def _dot_attention_backward_fake(grad_output, query, keys, values, *args, **kwar
 
     learned = [like(a[n]) for n in _LEARNABLE if a.get(n) is not None]
     return like(query), like(keys), like(values), learned
+
+
+def _split_names(query, keys, values, dims):
+    nq, nk, nv = query.dim(), keys.dim(), values.dim()
+    return dims[:nq], dims[nq:nq + nk], dims[nq + nk:nq + nk + nv], dims[nq + nk + nv:]
+
+
+@torch.library.register_fake("dimattn::dot_attention_lse")
+def _dot_attention_lse_fake(query, keys, values, *args, **kwargs):
+    # The output, and each row's lse over the output's dims but the value
+    # features (key_dim, or dims neither the query nor the keys have).
+    a = _named(args, kwargs)
+    q, k, v, out = _split_names(query, keys, values, a["dims"])
+    sizes = dict(zip(a["dims"], (*query.shape, *keys.shape, *values.shape)))
+    features = {n for n in v if n == a["key_dim"] or (n not in k and n not in q)}
+    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    return (query.new_empty([sizes[n] for n in out]),
+            query.new_empty([sizes[n] for n in out if n not in features], dtype=lse_dtype))
+
+
+@torch.library.register_fake("dimattn::dot_attention_backward.lse")
+def _dot_attention_backward_lse_fake(grad_output, output, lse, query, keys, values, *args, **kwargs):
+    return _dot_attention_backward_fake(grad_output, query, keys, values, *args, **kwargs)

@@ -189,3 +189,87 @@ def test_kv_lengths_per_query_row_compiled_equals_eager_with_gradients():
     for a, b in zip(*grads):
         assert torch.isfinite(a).all() and (a - b).abs().max() <= 1e-12
     assert torch.autograd.gradcheck(lambda q, k, v: f(q, k, v, lens), (q, k, v))
+
+
+def _recording_backend(seen):
+    """aot_eager that records the dimattn ops of the forward and backward graphs."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compiler(gm, _inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "dimattn" in str(n.target))
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
+
+
+# Traced calls whose kernel gives each row's lse: the forward op returns the
+# output and the lse, the backward op takes them (no forward pass again);
+# with sinks (a block's lse would count them) or cpu_flash forced away, the
+# backward op computes the forward pass again.
+LSE_ROUTE = {
+    "plain": ({}, True),
+    "causal_dropout": ({"causal": True, "att_dropout": 0.3, "train": True}, True),
+    "bias_and_rel_pos": ({"bias": "learnable", "rel_pos": True}, True),
+    "sinks": ({"sinks": True}, False),
+    "forced_reference": ({"force": "reference"}, False),
+}
+
+
+@pytest.mark.parametrize("name", LSE_ROUTE)
+def test_compiled_backward_takes_the_forward_lse(name):
+    opts, lse = LSE_ROUTE[name]
+    q, k, v, feat, kv, time = case()
+    heads = q.dims[1]
+    extra = {}
+    learned = []
+    if opts.get("bias"):
+        extra["bias"] = named([heads, time, (kv, T)], 7, requires_grad=True)
+        learned.append(extra["bias"].raw)
+    if opts.get("rel_pos"):
+        rel = da.Dim("rel", T + T - 1)
+        extra["pos_emb"] = named([heads, rel, feat], 8, requires_grad=True)
+        extra["pos_bias_v"] = named([heads, feat], 9, requires_grad=True)
+        extra["query_position_dim"] = time
+        learned += [extra["pos_emb"].raw, extra["pos_bias_v"].raw]
+    if opts.get("sinks"):
+        extra["sinks"] = named([heads], 10, requires_grad=True)
+        learned.append(extra["sinks"].raw)
+    for key in ("att_dropout", "train"):
+        if key in opts:
+            extra[key] = opts[key]
+    inputs = (q.raw, k.raw, v.raw, *learned)
+
+    def f(*raws):
+        with da.force(opts.get("force", "auto")):
+            out = call(da.Tensor(raws[0], q.dims), da.Tensor(raws[1], k.dims), da.Tensor(raws[2], v.dims), feat, kv,
+                       time, causal=opts.get("causal", False), **extra)
+        return out.raw.sin()
+
+    torch._dynamo.reset()
+    seen = []
+    compiled = torch.compile(f, fullgraph=True, backend=_recording_backend(seen))
+    outs, grads = [], []
+    for fn in (f, compiled):
+        torch.manual_seed(4)  # the same dropout seed for both
+        out = fn(*inputs)
+        grads.append(torch.autograd.grad(out.sum(), inputs))
+        outs.append(out)
+    assert (outs[0] - outs[1]).abs().max() <= 1e-12
+    for a, b in zip(*grads):
+        assert (a - b).abs().max() <= 1e-12
+    want = (["dimattn.dot_attention_lse.default", "dimattn.dot_attention_backward.lse"] if lse else
+            ["dimattn.dot_attention.full", "dimattn.dot_attention_backward.default"])
+    assert [s for s in seen if "explain" not in s] == want, seen
+
+
+def test_opcheck_lse_ops():
+    # Internal ops, called below autograd (DotAttentionLseFunction): no gradients asked of them.
+    q, k, v, feat, kv, time = case(torch.float32, requires_grad=False)
+    _, args, kwargs = op_arguments(q, k, v, key_dim=feat, axis=kv, causal_query_spatial_dim=None, scale=0.4)
+    lse_op = torch.ops.dimattn.dot_attention_lse.default
+    torch.library.opcheck(lse_op, args, kwargs)
+    out, lse = lse_op(*args, **kwargs)
+    assert lse.dtype == torch.float32 and lse.shape == out.shape[:-1]
+    torch.library.opcheck(torch.ops.dimattn.dot_attention_backward.lse, (torch.randn_like(out), out, lse, *args),
+                          kwargs)
