@@ -14,9 +14,10 @@ from ._variants import Variants
 from ._attention import Decision, Rejection, dot_attention, explain
 from ._context_parallel import ContextParallel, shard, shard_ranges
 from ._varlen import packed_attention, varlen_attention
+from ._sdpa import scaled_dot_product_attention, sdpa_patched
 from . import nn
 
 __all__ = ["Dim", "Error", "Tensor", "AttentionTrace", "Decision", "Rejection", "Variants", "dot_attention", "explain",
            "force", "kernel_names", "trace", "train_flag", "train_scope", "ContextParallel", "shard", "shard_ranges",
-           "packed_attention", "varlen_attention"]
+           "packed_attention", "varlen_attention", "scaled_dot_product_attention", "sdpa_patched"]
 __version__ = "0.1.0"
