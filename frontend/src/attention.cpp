@@ -183,10 +183,21 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
   // size-1 dim. Keys and values are never tiled over any of them.
   const bool dummy = r.query_only.empty();
   // Without causal the choice does not change the result; the longest dim
-  // (innermost on ties) gives kernels long rows and short groups.
+  // (innermost on ties) gives kernels long rows and short groups. Not a dim
+  // that ALiBi's slopes or the sinks vary over: those are per-head values,
+  // so such a dim must stay a group (GQA heads: a decoding step's one query
+  // position is shorter than its query groups).
   auto longest = [&] {
-    Dim best = r.query_only.back();
-    for (const Dim& d : r.query_only)
+    Dims candidates;
+    for (const Dim& d : r.query_only) {
+      bool per_head = false;
+      for (const std::optional<Tensor>* t : {&variants.alibi_slopes, &variants.sinks})
+        per_head = per_head || (*t && (*t)->has(d));
+      if (!per_head) candidates.push_back(d);
+    }
+    const Dims& from = candidates.empty() ? r.query_only : candidates;
+    Dim best = from.back();
+    for (const Dim& d : from)
       if (d.extent() > best.extent()) best = d;
     return best;
   };

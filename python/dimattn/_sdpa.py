@@ -17,6 +17,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ._attention import dot_attention
+from ._context import force, trace
 from ._core import Dim, Tensor
 
 __all__ = ["scaled_dot_product_attention", "sdpa_patched"]
@@ -62,6 +63,11 @@ def _dims(key: tuple) -> _Dims:
             table.pop(next(iter(table)))
         d = table[key] = _Dims(*key)
     return d
+
+
+def _per_head(x: torch.Tensor, d: _Dims) -> Tensor:
+    """A tensor over the query heads ``[Hq]`` (sinks) over the call's head dims."""
+    return Tensor(x.unflatten(0, (d.heads.size, d.group.size)) if d.grouped else x, d.query_heads)
 
 
 def _mask_tensor(mask: torch.Tensor, d: _Dims, target: Tuple[int, ...]) -> Tensor:
@@ -116,6 +122,18 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     """
     if attn_mask is not None and is_causal:
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
+    return positional_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def positional_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool, scale: Optional[float],
+                         enable_gqa: bool, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                         weights: bool = False):
+    """The one positional call behind scaled_dot_product_attention and
+    dimattn.transformers: as scaled_dot_product_attention, plus dimattn's variants
+    ``softcap`` and ``sinks`` (a logit per query head, ``[Hq]``, learnable); with
+    ``weights``, (output, the attention weights ``(N..., Hq, L, S)`` of dimattn's
+    reference path) instead of the output."""
     if query.dim() < 2 or key.dim() != query.dim() or value.dim() != query.dim():
         raise RuntimeError(f"scaled_dot_product_attention: query, key and value need the same rank >= 2, got "
                            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
@@ -143,13 +161,30 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         target = (*batch, hq, L, S)
         m = _mask_tensor(attn_mask, d, target)
         variants["mask" if attn_mask.dtype == torch.bool else "bias"] = m
-    out = dot_attention(Tensor(q_raw, d.q()), Tensor(key, d.k()), Tensor(value, d.v()), key_dim=d.feat, axis=d.kv,
-                        att_dropout=float(dropout_p), train=dropout_p > 0,
-                        causal_query_spatial_dim=d.query if is_causal else None,
-                        causal_offset=0 if is_causal and L != S else None, scale=scale, **variants)
-    raw = out.raw_in(d.out())
-    raw = raw.flatten(-4, -3) if d.grouped else raw
-    return raw.squeeze(0) if headless else raw
+    if softcap is not None:
+        variants["softcap"] = float(softcap)
+    if sinks is not None:
+        variants["sinks"] = _per_head(sinks, d)
+
+    def call():
+        return dot_attention(Tensor(q_raw, d.q()), Tensor(key, d.k()), Tensor(value, d.v()), key_dim=d.feat,
+                             axis=d.kv, att_dropout=float(dropout_p), train=dropout_p > 0,
+                             causal_query_spatial_dim=d.query if is_causal else None,
+                             query_position_dim=None if is_causal else d.query,
+                             causal_offset=0 if is_causal and L != S else None, scale=scale, **variants)
+
+    def positional(x: Tensor, last: Dim) -> torch.Tensor:
+        raw = x.raw_in([*d.batch, *d.query_heads, d.query, last])
+        raw = raw.flatten(-4, -3) if d.grouped else raw
+        return raw.squeeze(0) if headless else raw
+
+    if not weights:
+        return positional(call(), d.vfeat)
+    with force("reference"), trace() as t:
+        out = call()
+    w = t.records[-1].att_weights
+    kv = [x for x in w.dims if x not in (*d.batch, *d.query_heads, d.query)][0]  # the kv dim dot_attention made
+    return positional(out, d.vfeat), positional(w, kv)
 
 
 @contextlib.contextmanager

@@ -333,6 +333,24 @@ TEST_P(AttentionVariants, SelfAttentionSegmentsFromOneTensorEqualABoolMask) {
   EXPECT_EQ(ran, 2);
 }
 
+// Sinks per GQA query head in one decoding step: the group dim (2) is longer
+// than the query's one position, but sinks vary over it, so it stays a
+// group (it was taken for the query's spatial dim, and the sinks then had no
+// per-head plane: an internal error). Equal to the same call with the step
+// named as the position.
+TEST_P(AttentionVariants, SinksOverGqaGroupsInADecodingStep) {
+  const Dim batch("batch", 2), heads("heads", 2), group("group", 2), step("step", 1), kv("kv", 7), feat("feat", 8);
+  const TensorOptions o{.backend = GetParam()};
+  const Tensor q = random_normal({batch, heads, group, step, feat}, 41, o);
+  const Tensor k = random_normal({batch, heads, kv, feat}, 42, o), v = random_normal({batch, heads, kv, feat}, 43, o);
+  const Tensor sinks = from_host({heads, group}, {0.5, -1, 2, 0}, o);
+  AttentionOptions opts{.key_dim = feat, .axis = kv, .variants = {.sinks = sinks}};
+  const Tensor got = dot_attention(q, k, v, opts);
+  opts.query_position_dim = step;
+  const Tensor want = dot_attention(q, k, v, opts);
+  EXPECT_LT(max_abs_diff(got, want, want.dims()), 1e-6);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, AttentionVariants, ::testing::ValuesIn(backend_names()),
                          testing::backend_param_name);
 

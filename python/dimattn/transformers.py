@@ -1,0 +1,111 @@
+"""Hugging Face transformers on dimattn: ``attn_implementation="dimattn"``.
+
+    import dimattn.transformers
+    dimattn.transformers.register()
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="dimattn")
+    dimattn.transformers.stats()          # {"routed": ..., "fallback": ..., "reasons": {...}, "kernels": {...}}
+
+``register()`` adds ``"dimattn"`` to transformers' ``AttentionInterface`` (the attention
+function every model calls) and to its ``AttentionMaskInterface`` (without a mask
+function of its own a custom implementation gets no mask at all): the mask is
+``sdpa``'s, a bool mask (True = may attend) or None where plain causal attention
+(top-left aligned) or none is meant. The attention function takes what the models
+pass: ``scaling``, ``dropout`` (given in training), ``softcap`` (Gemma 2), ``s_aux``
+(GPT-OSS's sinks, learnable), grouped kv heads (never repeated), keys longer than the
+queries (a StaticCache's first pass, decoding over a cache), ``output_attentions`` (the
+weights of dimattn's reference path). A sliding window arrives inside the mask. A
+query row that may attend nothing gives 0, so padded rows stay finite. Paged caches
+(continuous batching) run transformers' ``sdpa``, counted with the reason. docs/python.md.
+
+transformers is called through its public extension points only.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Dict
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from . import _sdpa
+from ._context import trace
+
+__all__ = ["register", "attention_forward", "stats", "reset_stats", "NAME"]
+
+NAME = "dimattn"
+
+_lock = threading.Lock()
+_counts = {"routed": 0, "fallback": 0}
+_reasons: Dict[str, int] = {}
+_kernels: Dict[str, int] = {}
+
+
+def register(name: str = NAME) -> None:
+    """Make ``attn_implementation=name`` (default "dimattn") run on dimattn, for every
+    model of transformers: its attention function and its mask function (sdpa's)."""
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
+def stats() -> dict:
+    """Counts since reset_stats(): ``routed`` (ran on dimattn; ``kernels`` counts the
+    kernels) and ``fallback`` (ran transformers' sdpa; ``reasons`` counts why)."""
+    with _lock:
+        return {**_counts, "reasons": dict(_reasons), "kernels": dict(_kernels)}
+
+
+def reset_stats() -> None:
+    with _lock:
+        for k in _counts:
+            _counts[k] = 0
+        _reasons.clear()
+        _kernels.clear()
+
+
+def _count(outcome: str, detail: str) -> None:
+    with _lock:
+        _counts[outcome] += 1
+        d = _kernels if outcome == "routed" else _reasons
+        d[detail] = d.get(detail, 0) + 1
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' attention function for ``attn_implementation="dimattn"``.
+
+    Args:
+        module: the model's attention module (its ``is_causal`` when ``is_causal`` is None).
+        query: ``[B, Hq, T, D]``; key, value: ``[B, Hkv, S, D]`` (Hkv dividing Hq).
+        attention_mask: sdpa's bool mask, broadcastable to ``[B, Hq, T, S]``, or None.
+        dropout: the weights' dropout (transformers passes it in training only).
+        scaling: the scores' scale (default 1/sqrt(D)).
+        is_causal: without a mask, whether query i attends keys j <= i (top-left).
+        **kwargs: ``softcap``, ``s_aux`` (sinks ``[Hq]``), ``output_attentions``; a
+            sliding window is in the mask.
+
+    Returns:
+        ``(output [B, T, Hq, D], weights [B, Hq, T, S] or None)``.
+    """
+    if kwargs.get("cache") is not None and type(kwargs["cache"]).__name__ == "PagedAttentionCache":
+        _count("fallback", "paged cache (continuous batching)")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if kwargs.get("position_bias") is not None:
+        _count("fallback", "position_bias")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(causal) and attention_mask is None and query.shape[2] > 1
+    mask = attention_mask
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(query.dtype)  # an additive float mask (a model's own): dimattn's bias
+    want_weights = bool(kwargs.get("output_attentions", False))
+    with trace(capture_tensors=False) as t:
+        result = _sdpa.positional_attention(query, key, value, mask, dropout if module.training else 0.0, causal,
+                                            scaling, query.shape[1] != key.shape[1], softcap=kwargs.get("softcap"),
+                                            sinks=kwargs.get("s_aux"), weights=want_weights)
+    out, weights = result if want_weights else (result, None)
+    _count("routed", t.records[-1].kernel if t.records else "compiled")
+    return out.transpose(1, 2).contiguous(), weights
