@@ -35,18 +35,11 @@ class _Dims:
         self.query, self.kv = Dim("l", L), Dim("s", S)
         self.feat, self.vfeat = Dim("e", E), Dim("ev", Ev)
         self.query_heads = [self.heads, self.group] if self.grouped else [self.heads]
-
-    def q(self):
-        return [*self.batch, *self.query_heads, self.query, self.feat]
-
-    def k(self):
-        return [*self.batch, self.heads, self.kv, self.feat]
-
-    def v(self):
-        return [*self.batch, self.heads, self.kv, self.vfeat]
-
-    def out(self):
-        return [*self.batch, *self.query_heads, self.query, self.vfeat]
+        # The operands' dims as tuples (the checked shapes fit them: Tensor._trusted).
+        self.q = (*self.batch, *self.query_heads, self.query, self.feat)
+        self.k = (*self.batch, self.heads, self.kv, self.feat)
+        self.v = (*self.batch, self.heads, self.kv, self.vfeat)
+        self.out = [*self.batch, *self.query_heads, self.query, self.vfeat]
 
 
 _cache = threading.local()
@@ -167,7 +160,8 @@ def positional_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         variants["sinks"] = _per_head(sinks, d)
 
     def call():
-        return dot_attention(Tensor(q_raw, d.q()), Tensor(key, d.k()), Tensor(value, d.v()), key_dim=d.feat,
+        return dot_attention(Tensor._trusted(q_raw, d.q), Tensor._trusted(key, d.k), Tensor._trusted(value, d.v),
+                             key_dim=d.feat,
                              axis=d.kv, att_dropout=float(dropout_p), train=dropout_p > 0,
                              causal_query_spatial_dim=d.query if is_causal else None,
                              query_position_dim=None if is_causal else d.query,

@@ -21,6 +21,7 @@ transformers is called through its public extension points only.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Dict
 
@@ -42,11 +43,17 @@ _reasons: Dict[str, int] = {}
 _kernels: Dict[str, int] = {}
 
 
-def register(name: str = NAME) -> None:
+_tracking = {"kernels": False}
+
+
+def register(name: str = NAME, *, track_kernels: bool = False) -> None:
     """Make ``attn_implementation=name`` (default "dimattn") run on dimattn, for every
-    model of transformers: its attention function and its mask function (sdpa's)."""
+    model of transformers: its attention function and its mask function (sdpa's).
+    ``track_kernels``: count each routed call's kernel in ``stats()["kernels"]`` (it
+    traces every call, which costs a little; else they count as "dimattn")."""
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
+    _tracking["kernels"] = bool(track_kernels)
 
 
 def stats() -> dict:
@@ -102,10 +109,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(query.dtype)  # an additive float mask (a model's own): dimattn's bias
     want_weights = bool(kwargs.get("output_attentions", False))
-    with trace(capture_tensors=False) as t:
+    tracing = trace(capture_tensors=False) if _tracking["kernels"] else contextlib.nullcontext()
+    with tracing as t:
         result = _sdpa.positional_attention(query, key, value, mask, dropout if module.training else 0.0, causal,
                                             scaling, query.shape[1] != key.shape[1], softcap=kwargs.get("softcap"),
                                             sinks=kwargs.get("s_aux"), weights=want_weights)
     out, weights = result if want_weights else (result, None)
-    _count("routed", t.records[-1].kernel if t.records else "compiled")
+    _count("routed", (t.records[-1].kernel if t.records else "compiled") if t is not None else "dimattn")
     return out.transpose(1, 2).contiguous(), weights
