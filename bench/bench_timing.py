@@ -3,6 +3,8 @@ module)."""
 import platform
 import re
 import statistics
+import subprocess
+import sys
 import time
 
 
@@ -34,3 +36,28 @@ def interleaved(fns, rounds, clock=time.perf_counter):
             fns[i]()
             times[i].append(clock() - t0)
     return [statistics.median(t) for t in times]
+
+
+def _status_kb(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def peak_growth_of(fn):
+    """Bytes the process's peak resident set grows by while fn() runs (VmHWM, reset to the
+    current resident set through /proc/self/clear_refs first)."""
+    base = _status_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    fn()
+    return (_status_kb("VmHWM") - base) * 1024
+
+
+def peak_in_fresh_process(script, args):
+    """The integer a fresh `python script args...` prints last: each variant's peak
+    measured without what an earlier one left behind."""
+    out = subprocess.run([sys.executable, script, *map(str, args)], check=True, capture_output=True, text=True).stdout
+    return int(out.strip().splitlines()[-1])

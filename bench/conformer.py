@@ -18,9 +18,6 @@ the process's peak resident set over one step, each variant in a fresh process.
 import argparse
 import contextlib
 import os
-import subprocess
-import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +28,7 @@ from returnn.tensor import Dim, Tensor
 
 import dimattn as da
 import dimattn.returnn as dr
-from bench_timing import cpu_info, interleaved
+from bench_timing import cpu_info, interleaved, peak_growth_of, peak_in_fresh_process
 
 rf.select_backend_torch()
 
@@ -140,18 +137,9 @@ def kernel_calls(T, args, amp):
 
 
 def peak(module, T, dtype, variant, args):
-    cmd = [sys.executable, __file__, "--peak-of", module, str(T), dtype, variant, "--threads", str(args.threads),
-           "--batch", str(args.batch), "--model", str(args.model), "--heads", str(args.heads)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return int(out.strip().splitlines()[-1]) / 2 ** 20
-
-
-def _status_kb(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
+    """MiB, measured in a fresh process (measure_peak)."""
+    return peak_in_fresh_process(__file__, ["--peak-of", module, T, dtype, variant, "--threads", args.threads,
+                                            "--batch", args.batch, "--model", args.model, "--heads", args.heads]) / 2 ** 20
 
 
 def measure_peak(module, T, dtype, variant, args):
@@ -159,11 +147,7 @@ def measure_peak(module, T, dtype, variant, args):
     amp = dtype == "bfloat16"
     step = sdpa_peer(m, x, time_, leaves, amp, args) if variant == "sdpa" else \
         step_of(module, m, x, time_, leaves, amp, variant == "dimattn")
-    base = _status_kb("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    step()
-    print((_status_kb("VmHWM") - base) * 1024)
+    print(peak_growth_of(step))
 
 
 def main():

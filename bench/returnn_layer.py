@@ -20,8 +20,6 @@ machine; on one thread every op runs on the timed thread).
 """
 import argparse
 import os
-import subprocess
-import sys
 import time
 
 import torch
@@ -31,7 +29,7 @@ from returnn.tensor import Dim, Tensor
 
 import dimattn as da
 import dimattn.returnn as dr
-from bench_timing import cpu_info, interleaved
+from bench_timing import cpu_info, interleaved, peak_growth_of, peak_in_fresh_process
 
 rf.select_backend_torch()
 LAYERS = {"causal": rf.CausalSelfAttention, "self": rf.SelfAttention}
@@ -69,28 +67,13 @@ def routed(step):
 
 def peak_growth(kind, T, dtype, variant, args):
     """Peak resident growth (bytes) of one step, measured in a fresh process."""
-    cmd = [sys.executable, __file__, "--peak-of", kind, str(T), dtype, variant, "--threads", str(args.threads),
-           "--batch", str(args.batch), "--model", str(args.model), "--heads", str(args.heads)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return int(out.strip().splitlines()[-1])
-
-
-def _status_kb(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
+    return peak_in_fresh_process(__file__, ["--peak-of", kind, T, dtype, variant, "--threads", args.threads,
+                                            "--batch", args.batch, "--model", args.model, "--heads", args.heads])
 
 
 def measure_peak(kind, T, dtype, variant, args):
     step = layer_step(kind, T, dtype, args)
-    step = routed(step) if variant == "dimattn" else step
-    base = _status_kb("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    step()
-    print((_status_kb("VmHWM") - base) * 1024)
+    print(peak_growth_of(routed(step) if variant == "dimattn" else step))
 
 
 def own_cost(T, args):

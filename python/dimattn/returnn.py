@@ -37,6 +37,7 @@ from returnn.tensor import Dim as RfDim, Tensor as RfTensor
 from returnn.torch.frontend import TorchBackend
 
 import dimattn as da
+from dimattn._route_counts import RouteCounts
 from dimattn._varlen import PackedCall
 
 __all__ = ["enable", "disable", "enabled", "is_enabled", "is_strict", "stats", "reset_stats", "trace", "startup_callback",
@@ -162,10 +163,8 @@ def startup_callback(*, config, **_kwargs) -> None:
 
 # --- counts ----------------------------------------------------------------------------
 
-_lock = threading.Lock()
-_counts = {"routed": 0, "fallback": 0, "reference": 0}
-_reasons: Dict[str, int] = {}
-_kernels: Dict[str, int] = {}
+_counts = RouteCounts(("routed", "fallback", "reference"))
+_count = _counts.count
 
 
 def stats() -> dict:
@@ -174,24 +173,11 @@ def stats() -> dict:
     the call) and ``reference`` (ran RETURNN's implementation because dimattn's
     selection chose its reference path: forced with DIMATTN_SDPA or dimattn.force, or no
     fused kernel takes the call); ``reasons`` counts why for both."""
-    with _lock:
-        return {**_counts, "reasons": dict(_reasons), "kernels": dict(_kernels)}
+    return _counts.stats()
 
 
 def reset_stats() -> None:
-    with _lock:
-        for k in _counts:
-            _counts[k] = 0
-        _reasons.clear()
-        _kernels.clear()
-
-
-def _count(outcome: str, detail: str) -> None:
-    """detail: the kernel of a routed call, else the reason."""
-    with _lock:
-        _counts[outcome] += 1
-        counts = _kernels if outcome == "routed" else _reasons
-        counts[detail] = counts.get(detail, 0) + 1
+    _counts.reset()
 
 
 # --- tracing ---------------------------------------------------------------------------

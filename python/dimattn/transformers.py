@@ -22,8 +22,6 @@ transformers is called through its public extension points only.
 from __future__ import annotations
 
 import contextlib
-import threading
-from typing import Dict
 
 import torch
 from transformers import AttentionInterface
@@ -31,17 +29,15 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import _sdpa
+from ._route_counts import RouteCounts
 from ._context import trace
 
 __all__ = ["register", "attention_forward", "stats", "reset_stats", "NAME"]
 
 NAME = "dimattn"
 
-_lock = threading.Lock()
-_counts = {"routed": 0, "fallback": 0}
-_reasons: Dict[str, int] = {}
-_kernels: Dict[str, int] = {}
-
+_counts = RouteCounts(("routed", "fallback"))
+_count = _counts.count
 
 _tracking = {"kernels": False}
 
@@ -59,23 +55,11 @@ def register(name: str = NAME, *, track_kernels: bool = False) -> None:
 def stats() -> dict:
     """Counts since reset_stats(): ``routed`` (ran on dimattn; ``kernels`` counts the
     kernels) and ``fallback`` (ran transformers' sdpa; ``reasons`` counts why)."""
-    with _lock:
-        return {**_counts, "reasons": dict(_reasons), "kernels": dict(_kernels)}
+    return _counts.stats()
 
 
 def reset_stats() -> None:
-    with _lock:
-        for k in _counts:
-            _counts[k] = 0
-        _reasons.clear()
-        _kernels.clear()
-
-
-def _count(outcome: str, detail: str) -> None:
-    with _lock:
-        _counts[outcome] += 1
-        d = _kernels if outcome == "routed" else _reasons
-        d[detail] = d.get(detail, 0) + 1
+    _counts.reset()
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
