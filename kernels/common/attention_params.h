@@ -90,6 +90,26 @@ struct ElementStrides {
   int64_t last = 1;  // pre: 1
 };
 
+// A paged kv cache (vLLM's, FlashAttention's flash_attn_with_kvcache): k and
+// v are pools of blocks of block_size positions, and each batch entry's kv
+// positions are addressed through its row of a block table. Kv position j
+// of entry b and kv head hk lives at
+//   k + block_table[b * table_stride + j / block_size] * k_block_stride
+//     + hk * k_strides.head + (j % block_size) * k_strides.row
+// (v alike), so both layouts of serving stacks are strides: [num_blocks,
+// block_size, kv_heads, D] and heads-outer [num_blocks, kv_heads,
+// block_size, D]. k_strides.batch and v_strides.batch are unused. Only the
+// table entries of positions < kv_lengths[b] are read. Forward pass only.
+struct KvPages {
+  const int32_t* block_table = nullptr;  // [batch][table_stride] on the kernel's device; nullptr = off
+  int64_t table_stride = 0;              // entries per batch entry (the table's capacity)
+  int64_t block_size = 0;                // positions per block, >= 1
+  int64_t num_blocks = 0;                // blocks in each pool: table entries lie in [0, num_blocks)
+  int64_t k_block_stride = 0, v_block_stride = 0;
+
+  bool on() const { return block_table != nullptr; }
+};
+
 struct AttentionKernelParams {
   ElementType dtype = ElementType::float32;
 
@@ -120,6 +140,7 @@ struct AttentionKernelParams {
   int64_t head_dim_v = 0; // Dv of v, out
 
   ElementStrides q_strides, k_strides, v_strides, out_strides;
+  KvPages pages;  // k and v in a paged cache (KvPages); off = [batch, kv_heads, seqlen_k, D] by k_strides, v_strides
   ElementStrides dout_strides, dq_strides, dk_strides, dv_strides;
   int64_t lse_batch_stride = 0, lse_head_stride = 0;  // rows contiguous
 
@@ -292,6 +313,19 @@ inline std::string AttentionKernelParams::validate(bool backward, ElementTypeSet
              std::to_string(r.rows) + " (center " + std::to_string(r.center) + ", step " + std::to_string(r.step) + ")";
     if (batch * heads > 0 && r.table.offsets == nullptr) return op + "rel_pos.table needs offsets ([batch * heads])";
   }
+  if (pages.on()) {
+    if (backward)
+      return op + "a paged kv cache is read by the forward pass only; gather its blocks into a tensor to "
+                  "differentiate through it";
+    if (score.rel_pos.on())
+      return op + "relative positions (pos_emb) are not read from a paged kv cache; gather its blocks first";
+    if (pages.block_size < 1) return op + "pages.block_size must be >= 1, got " + std::to_string(pages.block_size);
+    if (pages.num_blocks < 0 || pages.table_stride < 0 || pages.k_block_stride < 0 || pages.v_block_stride < 0)
+      return op + "pages need num_blocks, table_stride and block strides >= 0";
+    if (seqlen_k > pages.table_stride * pages.block_size)
+      return op + "seqlen_k=" + std::to_string(seqlen_k) + " is past the block table's capacity of " +
+             std::to_string(pages.table_stride) + " blocks of " + std::to_string(pages.block_size) + " positions";
+  }
   if (kv_row_lengths.row_stride < 0) return op + "kv_row_lengths needs a row stride >= 0";
   if (kv_row_lengths.on() && batch * heads > 0 && kv_row_lengths.offsets == nullptr)
     return op + "kv_row_lengths needs offsets ([batch * heads])";
@@ -381,6 +415,14 @@ inline std::string AttentionKernelParams::validate_host_arrays() const {
     if (kv_lengths && (kv_lengths[b] < 0 || kv_lengths[b] > seqlen_k))
       return "[attention] kv_lengths[" + std::to_string(b) + "] = " + std::to_string(kv_lengths[b]) +
              " is outside [0, seqlen_k=" + std::to_string(seqlen_k) + "]";
+    if (pages.on()) {
+      const int64_t len = kv_lengths ? kv_lengths[b] : seqlen_k;
+      for (int64_t t = 0; t < (len + pages.block_size - 1) / pages.block_size; ++t)
+        if (const int64_t blk = pages.block_table[b * pages.table_stride + t]; blk < 0 || blk >= pages.num_blocks)
+          return "[attention] block_table[" + std::to_string(b) + "][" + std::to_string(t) + "] = " +
+                 std::to_string(blk) + " is outside the pool's [0, " + std::to_string(pages.num_blocks) +
+                 ") blocks (entry " + std::to_string(b) + " has " + std::to_string(len) + " positions)";
+    }
     if (!kv_row_lengths.on() || kv_row_lengths.offsets == nullptr) continue;  // validate() names the latter
     const int64_t most = kv_lengths ? kv_lengths[b] : seqlen_k;
     for (int64_t h = 0; h < heads; ++h) {

@@ -58,6 +58,11 @@ DIMATTN_INLINE uint16_t float_to_half(float x) { return float_to_half_bits(x); }
 DIMATTN_INLINE void half8_to_float(const uint16_t* src, float* dst) {
   for (int i = 0; i < 8; ++i) dst[i] = half_bits_to_float(src[i]);
 }
+DIMATTN_INLINE vf halves_to_vf(const uint16_t* src) {
+  vf r;
+  for (int i = 0; i < 4; ++i) r[i] = half_bits_to_float(src[i]);
+  return r;
+}
 constexpr int kMicroRows = 6;  // 12 accumulators of SSE2's 16 registers
 #include "cpu/flash_attention_impl.h"
 }  // namespace cpu_flash_generic

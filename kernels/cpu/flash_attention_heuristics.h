@@ -2,6 +2,7 @@
 // Tile sizes and work splits of the CPU flash attention kernel. Every choice
 // here depends only on the problem's shape (never on the thread count), which
 // keeps results bitwise equal whatever pool runs the kernel.
+#include <algorithm>
 #include <cstdint>
 
 namespace dimattn::kernels::cpu_flash {
@@ -28,6 +29,31 @@ constexpr int64_t fwd_block_k(int64_t head_dim, int lanes) {
 // they fit this budget (per thread), so that the query blocks of that head
 // (and of the GQA heads sharing it) pack each tile once.
 constexpr int64_t fwd_kv_cache_bytes() { return int64_t{16} << 20; }
+
+// Decoding: calls of at most this many query rows per head run
+// forward_decode (flash_impl/forward.h): the query heads sharing a kv head
+// fold into one block that reads each kv tile once, and long caches split
+// into chunks. Above it, query blocks of one head read each tile once per
+// block anyway.
+constexpr bool fwd_decode(int64_t seqlen_q) { return seqlen_q <= 16; }
+
+// Decoding splits each kv head's positions into chunks of whole tiles when
+// its blocks (batch entries x kv heads x head groups) are fewer than
+// decode_min_tasks(): one sequence over 8 kv heads (or one, multi-query)
+// would otherwise leave most threads of a large machine idle. A chunk spans
+// at least decode_min_chunk_positions(), so that the merge (one pass over
+// the rows' states) stays small next to reading the chunk. Depends on the
+// shape only: any pool gets the same chunks and the same result.
+constexpr int64_t decode_min_tasks() { return 64; }
+constexpr int64_t decode_min_chunk_positions() { return 2048; }
+// Tiles per chunk for `blocks` decoding blocks over `tiles` kv tiles of bk positions.
+constexpr int64_t decode_chunk_tiles(int64_t blocks, int64_t tiles, int64_t bk) {
+  if (tiles <= 0 || blocks <= 0) return 1;
+  const int64_t want = (decode_min_tasks() + blocks - 1) / blocks;
+  const int64_t min_tiles = std::max<int64_t>(1, decode_min_chunk_positions() / bk);
+  const int64_t chunks = std::clamp<int64_t>(want, 1, std::max<int64_t>(1, tiles / min_tiles));
+  return (tiles + chunks - 1) / chunks;
+}
 
 // Backward: query rows and kv positions per (q block, kv tile) step. The
 // step holds five tiles (S/P, dP, P with dropout, and the dK, dV accumulators).

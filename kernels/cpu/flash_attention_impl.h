@@ -22,6 +22,7 @@
 //                   float16 bits <-> float, round to nearest even (half_bits.h's rules)
 //   half8_to_float(src, dst)
 //                   dst[0..7] = half_to_float(src[0..7])
+//   halves_to_vf(src) the vf of half_to_float(src[0..W))
 //   kMicroRows      rows of the GEMM micro-kernel: kMicroRows x 2 vectors of
 //                   accumulators, 2 vectors of B and a broadcast fill the registers
 //   DIMATTN_INLINE  the always-inline function specifier
@@ -44,8 +45,9 @@
 //
 // The parts, in include order (each uses only those before it):
 //   flash_impl/simd.h          vector layer (Simd<T>, loads, exp2) and row helpers
-//   flash_impl/micro_kernel.h  the GEMM micro-kernel, ragged tiles, direct scores
+//   flash_impl/micro_kernel.h  the GEMM micro-kernel, ragged tiles
 //   flash_impl/packing.h       element conversion, operand packing, scratch arena
+//   flash_impl/direct.h        few query rows' products, k and v read in place
 //   flash_impl/products.h      the products of a pass, per storage type
 //   flash_impl/pairs.h         (avx512_bf16 only) bfloat16 products as pairs
 //   flash_impl/dropout.h       dropout factors of a row tile
@@ -64,6 +66,7 @@
 #include "cpu/flash_impl/simd.h"
 #include "cpu/flash_impl/micro_kernel.h"
 #include "cpu/flash_impl/packing.h"
+#include "cpu/flash_impl/direct.h"
 #include "cpu/flash_impl/products.h"
 #ifdef DIMATTN_X86_PAIRS
 #include "cpu/flash_impl/pairs.h"

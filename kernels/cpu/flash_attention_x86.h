@@ -167,6 +167,13 @@ DIMATTN_INLINE uint16_t float_to_half(float x) { return static_cast<uint16_t>(_c
 DIMATTN_INLINE void half8_to_float(const uint16_t* src, float* dst) {
   _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
 }
+DIMATTN_INLINE vf halves_to_vf(const uint16_t* src) {
+#if DIMATTN_X86_BYTES == 64
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+#else
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+#endif
+}
 
 constexpr int kMicroRows = DIMATTN_X86_MICRO_ROWS;
 #include "cpu/flash_attention_impl.h"

@@ -119,8 +119,8 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
       const A* lse = static_cast<const A*>(p.lse) + b * p.lse_batch_stride + h * p.lse_head_stride;
       const int64_t rows = i_end - i_start;
       // Row-local copies, indexed by i - i_start.
-      ops.pack_task_rows(q + i_start * p.q_strides.row, p.q_strides.row, dout + i_start * p.dout_strides.row,
-                         p.dout_strides.row, rows);
+      ops.pack_task_rows(strided_rows(q + i_start * p.q_strides.row, p.q_strides.row),
+                         strided_rows(dout + i_start * p.dout_strides.row, p.dout_strides.row), rows);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i_start + r;
         w.lse2[r] = lse[i] * log2e;
@@ -136,7 +136,7 @@ void backward_task(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
 
       for (int64_t j0 = kc0; j0 < kend; j0 += plan.bk) {
         const int64_t n = std::min(plan.bk, kend - j0), np = round_up(n, W);
-        ops.pack_tile(k + j0 * krs, krs, v + j0 * vrs, vrs, n, np);
+        ops.pack_tile(strided_rows(k + j0 * krs, krs), strided_rows(v + j0 * vrs, vrs), n, np);
         if (rel) rel->begin_tile(np);
         A* dk_t = w.dkacc + (j0 - kc0) * dp;
         A* dv_t = w.dvacc + (j0 - kc0) * dvp;

@@ -1,5 +1,4 @@
-// Products: the register-blocked GEMM micro-kernel, ragged (causal) tiles, and
-// the direct scores of few query rows.
+// Products: the register-blocked GEMM micro-kernel and ragged (causal) tiles.
 // A part of cpu/flash_attention_impl.h, which says what includes it and how.
 #ifndef DIMATTN_CPU_FLASH_PARTS
 #error "included by cpu/flash_attention_impl.h only"
@@ -148,48 +147,4 @@ template <class T, class U>
 void gemm_add_at(int64_t m, int64_t n, int64_t kdim, const U* a, int64_t lda, const BMat<U>& b, T* c, int64_t ldc,
                  const Ragged& rg = {}) {
   gemm<T, U, true, true>(m, n, kdim, a, lda, b, c, ldc, rg);
-}
-
-// Few query rows (decoding): S[r][c] = qs[r] . k[c] read straight from k's
-// rows, vectorized along the head dim, instead of packing k transposed for
-// a product too small to pay for the packing. KR kv rows per step keep
-// M x KR accumulators in registers.
-template <int M, class A>
-void scores_direct(int64_t n, int64_t D, const A* qs, const A* k, int64_t krs, A* s, int64_t lds) {
-  using V = typename Simd<A>::V;
-  constexpr int W = Simd<A>::W, KR = M == 1 ? 8 : 12 / M;
-  const int64_t dv = D / W * W;
-  int64_t c = 0;
-  auto step = [&](auto kr_tag) {
-    constexpr int R = decltype(kr_tag)::value;
-    V acc[M][R];
-    for (int r = 0; r < M; ++r)
-      for (int t = 0; t < R; ++t) acc[r][t] = V{};
-    for (int64_t d = 0; d < dv; d += W) {
-      V kv[R];
-      for (int t = 0; t < R; ++t) kv[t] = vload<V>(k + (c + t) * krs + d);
-      for (int r = 0; r < M; ++r) {
-        const V qv = vload<V>(qs + r * D + d);
-        for (int t = 0; t < R; ++t) acc[r][t] = vfma(qv, kv[t], acc[r][t]);
-      }
-    }
-    for (int r = 0; r < M; ++r)
-      for (int t = 0; t < R; ++t) {
-        A x = hsum(acc[r][t]);
-        for (int64_t d = dv; d < D; ++d) x += qs[r * D + d] * k[(c + t) * krs + d];
-        s[r * lds + c + t] = x;
-      }
-  };
-  for (; c + KR <= n; c += KR) step(std::integral_constant<int, KR>{});
-  for (; c < n; ++c) step(std::integral_constant<int, 1>{});
-}
-
-template <class A>
-void scores_direct_rows(int64_t m, int64_t n, int64_t D, const A* qs, const A* k, int64_t krs, A* s, int64_t lds) {
-  switch (m) {
-    case 1: scores_direct<1>(n, D, qs, k, krs, s, lds); break;
-    case 2: scores_direct<2>(n, D, qs, k, krs, s, lds); break;
-    case 3: scores_direct<3>(n, D, qs, k, krs, s, lds); break;
-    default: scores_direct<4>(n, D, qs, k, krs, s, lds); break;
-  }
 }

@@ -40,11 +40,45 @@ DIMATTN_INLINE void from_acc(float x, uint16_t* dst) {
   *dst = static_cast<uint16_t>(bits >> 16);
 }
 
-// dst[r * ldd + c] = mul * src[r * srs + c] for c < cols, 0 for cols <= c < ldd.
+// Where an operand's rows lie: row r at (*this)(r). A tensor's rows are rs
+// apart from base; a paged kv cache (AttentionKernelParams::pages) keeps its
+// rows in blocks of `block` rows, row j in block table[j / block] at
+// base + table[j / block] * block_stride + (j % block) * rs. from(j0) is the
+// source whose row 0 is row j0. Packers take 8 rows' addresses at a time, so
+// the lookup costs one division per row, not per element.
+template <class S>
+struct Rows {
+  const S* base;
+  int64_t rs;
+  const int32_t* table = nullptr;  // paged: the entry's block table; nullptr = strided
+  int64_t block = 1, block_stride = 0, first = 0;
+
+  DIMATTN_INLINE const S* operator()(int64_t r) const {
+    if (table == nullptr) return base + r * rs;
+    const int64_t j = first + r;
+    return base + table[j / block] * block_stride + (j % block) * rs;
+  }
+  Rows from(int64_t j0) const {
+    Rows x = *this;
+    if (table == nullptr)
+      x.base += j0 * rs;
+    else
+      x.first += j0;
+    return x;
+  }
+  // Whether rows [0, n) lie rs apart (then (*this)(0) + r * rs is row r).
+  bool strided(int64_t n) const { return table == nullptr || n <= 1 || first / block == (first + n - 1) / block; }
+};
+template <class S>
+Rows<S> strided_rows(const S* base, int64_t rs) {
+  return Rows<S>{base, rs};
+}
+
+// dst[r * ldd + c] = mul * src(r)[c] for c < cols, 0 for cols <= c < ldd.
 template <class S, class A>
-void pack_rows(const S* src, int64_t srs, int64_t rows, int64_t cols, A* dst, int64_t ldd, A mul) {
+void pack_rows(const Rows<S>& src, int64_t rows, int64_t cols, A* dst, int64_t ldd, A mul) {
   for (int64_t r = 0; r < rows; ++r) {
-    const S* s = src + r * srs;
+    const S* s = src(r);
     A* d = dst + r * ldd;
     if (mul == A(1))
       for (int64_t c = 0; c < cols; ++c) d[c] = to_acc(s[c]);
@@ -113,45 +147,49 @@ DIMATTN_INLINE void transpose8x8(const vf8 (&in)[8], vf8 (&out)[8]) {
 }
 
 // B = src^T in panel-major form (see BMat): element (k = c, j = r) of B is
-// src[r * srs + c] for r < rows, c < cols, and 0 for rows <= r < pad_rows.
+// src(r)[c] for r < rows, c < cols, and 0 for rows <= r < pad_rows.
 // pre: pad_rows % W == 0. float: 8 x 8 blocks through registers.
 template <class S, class A>
-void pack_transposed(const S* src, int64_t srs, int64_t rows, int64_t pad_rows, int64_t cols, A* dst) {
+void pack_transposed(const Rows<S>& src, int64_t rows, int64_t pad_rows, int64_t cols, A* dst) {
   constexpr int64_t P = 2 * Simd<A>::W;
   auto at = [&](int64_t c, int64_t r) -> A& { return dst[(r / P) * cols * P + c * P + r % P]; };
   int64_t r = 0;
   if constexpr (std::is_same_v<A, float>) {
     for (; r + 8 <= rows; r += 8) {
+      const S* row[8];
+      for (int t = 0; t < 8; ++t) row[t] = src(r + t);
       int64_t c = 0;
       for (; c + 8 <= cols; c += 8) {
         vf8 in[8], out[8];
-        for (int t = 0; t < 8; ++t) in[t] = load8(src + (r + t) * srs + c);
+        for (int t = 0; t < 8; ++t) in[t] = load8(row[t] + c);
         transpose8x8(in, out);
         for (int t = 0; t < 8; ++t) vstore(&at(c + t, r), out[t]);
       }
       for (; c < cols; ++c)
-        for (int t = 0; t < 8; ++t) at(c, r + t) = to_acc(src[(r + t) * srs + c]);
+        for (int t = 0; t < 8; ++t) at(c, r + t) = to_acc(row[t][c]);
     }
   }
-  for (; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) at(c, r) = to_acc(src[r * srs + c]);
+  for (; r < rows; ++r) {
+    const S* row = src(r);
+    for (int64_t c = 0; c < cols; ++c) at(c, r) = to_acc(row[c]);
+  }
   for (int64_t rr = rows; rr < pad_rows; ++rr)
     for (int64_t c = 0; c < cols; ++c) at(c, rr) = A(0);
 }
 
-// B = src in panel-major form: element (k = r, j = c) is src[r * srs + c]
-// for c < cols, 0 for cols <= c < round_up(cols, W). panel_rows: the rows
-// each panel has room for (>= rows).
+// B = src in panel-major form: element (k = r, j = c) is src(r)[c] for
+// c < cols, 0 for cols <= c < round_up(cols, W). panel_rows: the rows each
+// panel has room for (>= rows).
 template <class S, class A>
-void pack_rows_panels(const S* src, int64_t srs, int64_t rows, int64_t cols, int64_t panel_rows, A* dst) {
+void pack_rows_panels(const Rows<S>& src, int64_t rows, int64_t cols, int64_t panel_rows, A* dst) {
   constexpr int64_t P = 2 * Simd<A>::W;
   const int64_t cp = round_up(std::max<int64_t>(cols, 1), Simd<A>::W);
-  for (int64_t c0 = 0; c0 < cp; c0 += P) {
-    A* panel = dst + (c0 / P) * panel_rows * P;
-    const int64_t w = std::min(P, cp - c0), valid = std::clamp<int64_t>(cols - c0, 0, w);
-    for (int64_t r = 0; r < rows; ++r) {
-      const S* s = src + r * srs + c0;
-      A* d = panel + r * P;
+  for (int64_t r = 0; r < rows; ++r) {
+    const S* row = src(r);
+    for (int64_t c0 = 0; c0 < cp; c0 += P) {
+      const int64_t w = std::min(P, cp - c0), valid = std::clamp<int64_t>(cols - c0, 0, w);
+      const S* s = row + c0;
+      A* d = dst + (c0 / P) * panel_rows * P + r * P;
       for (int64_t c = 0; c < valid; ++c) d[c] = to_acc(s[c]);
       for (int64_t c = valid; c < w; ++c) d[c] = A(0);
     }

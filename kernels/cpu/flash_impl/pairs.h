@@ -44,63 +44,65 @@ DIMATTN_INLINE const Bf16Pair* as_pairs(const uint16_t* p) { return reinterpret_
 // ---------------------------------------------------------------------------
 // Packing bfloat16 operands.
 
-// dst[r * ldd + c] = src[r * srs + c] for c < cols, 0 for cols <= c < ldd:
+// dst[r * ldd + c] = src(r)[c] for c < cols, 0 for cols <= c < ldd:
 // rows of pairs along the row (A operands: q, dO). pre: ldd even, >= cols.
-inline void pack_bf16_rows(const uint16_t* src, int64_t srs, int64_t rows, int64_t cols, uint16_t* dst, int64_t ldd) {
+inline void pack_bf16_rows(const Rows<uint16_t>& src, int64_t rows, int64_t cols, uint16_t* dst, int64_t ldd) {
   for (int64_t r = 0; r < rows; ++r) {
-    std::memcpy(dst + r * ldd, src + r * srs, static_cast<size_t>(cols) * 2);
+    std::memcpy(dst + r * ldd, src(r), static_cast<size_t>(cols) * 2);
     std::memset(dst + r * ldd + cols, 0, static_cast<size_t>(ldd - cols) * 2);
   }
 }
 
-// B = src^T as pairs: element (pair t, j) of B is (src[j][2t], src[j][2t + 1])
+// B = src^T as pairs: element (pair t, j) of B is (src(j)[2t], src(j)[2t + 1])
 // (0 past cols), for j < rows, 0 for rows <= j < pad_rows, in panel-major
 // form (BMat) with round_up(cols, 2) / 2 pairs per panel row. The 32-bit
 // words of 8 rows go through transpose8x8 as they are (bit-exact shuffles).
 // pre: pad_rows % W == 0.
-inline void pack_pairs_transposed(const uint16_t* src, int64_t srs, int64_t rows, int64_t pad_rows, int64_t cols,
+inline void pack_pairs_transposed(const Rows<uint16_t>& src, int64_t rows, int64_t pad_rows, int64_t cols,
                                   Bf16Pair* dst) {
   constexpr int64_t P = kPairPanel;
   const int64_t kp = (cols + 1) / 2, full = cols / 2;  // pairs, and pairs with both halves in the row
   auto at = [&](int64_t t, int64_t j) -> Bf16Pair& { return dst[(j / P) * kp * P + t * P + j % P]; };
-  auto word = [&](int64_t j, int64_t t) {
+  auto word = [&](const uint16_t* row, int64_t t) {
     Bf16Pair w;
     if (2 * t + 1 < cols) {
-      std::memcpy(&w.bits, src + j * srs + 2 * t, 4);
+      std::memcpy(&w.bits, row + 2 * t, 4);
     } else {
-      w.bits = src[j * srs + 2 * t];  // an odd last element: its partner is 0
+      w.bits = row[2 * t];  // an odd last element: its partner is 0
     }
     return w;
   };
   int64_t j = 0;
   for (; j + 8 <= rows; j += 8) {
+    const uint16_t* row[8];
+    for (int r = 0; r < 8; ++r) row[r] = src(j + r);
     int64_t t = 0;
     for (; t + 8 <= full; t += 8) {
       vf8 in[8], out[8];
-      for (int r = 0; r < 8; ++r) in[r] = vload<vf8>(src + (j + r) * srs + 2 * t);
+      for (int r = 0; r < 8; ++r) in[r] = vload<vf8>(row[r] + 2 * t);
       transpose8x8(in, out);
       for (int r = 0; r < 8; ++r) vstore(&at(t + r, j), out[r]);
     }
     for (; t < kp; ++t)
-      for (int r = 0; r < 8; ++r) at(t, j + r) = word(j + r, t);
+      for (int r = 0; r < 8; ++r) at(t, j + r) = word(row[r], t);
   }
   for (; j < rows; ++j)
-    for (int64_t t = 0; t < kp; ++t) at(t, j) = word(j, t);
+    for (int64_t t = 0; t < kp; ++t) at(t, j) = word(src(j), t);
   for (; j < pad_rows; ++j)
     for (int64_t t = 0; t < kp; ++t) at(t, j) = Bf16Pair{0};
 }
 
-// B as pairs of rows: element (pair t, c) is (src[2t][c], src[2t + 1][c]),
+// B as pairs of rows: element (pair t, c) is (src(2t)[c], src(2t + 1)[c]),
 // the second 0 past `rows`, 0 for cols <= c < round_up(cols, W), laid out
 // as `b` says (panel-major, or row-major: BMat's ld and panel). Used for the
 // operands whose k is the row: v (P V), k (dS K), dO (X^T dO), q (dS^T Q).
-inline void pack_pairs_rows(const uint16_t* src, int64_t srs, int64_t rows, int64_t cols, Bf16Pair* dst,
-                            int64_t ld, int64_t panel) {
+inline void pack_pairs_rows(const Rows<uint16_t>& src, int64_t rows, int64_t cols, Bf16Pair* dst, int64_t ld,
+                            int64_t panel) {
   constexpr int64_t P = kPairPanel, W = Simd<float>::W;
   const int64_t cp = round_up(std::max<int64_t>(cols, 1), W);
   for (int64_t t = 0; t < (rows + 1) / 2; ++t) {
-    const uint16_t* r0 = src + 2 * t * srs;
-    const uint16_t* r1 = 2 * t + 1 < rows ? r0 + srs : nullptr;
+    const uint16_t* r0 = src(2 * t);
+    const uint16_t* r1 = 2 * t + 1 < rows ? src(2 * t + 1) : nullptr;
     for (int64_t c0 = 0; c0 < cp; c0 += W) {
       Bf16Pair* d = dst + (c0 / P) * panel + t * ld + c0 % P;
       if (c0 + W <= cols) {
@@ -181,14 +183,14 @@ struct ForwardOperands<uint16_t, float> {
 
   // q as it is: the log2 scale goes on the float32 scores (score_mul), not
   // into a second rounding of q.
-  void pack_q(const uint16_t* src, int64_t rs, int64_t m, float mul) {
+  void pack_q(const Rows<uint16_t>& src, int64_t m, float mul, int64_t row0) {
     qmul = mul;
-    pack_bf16_rows(src, rs, m, D, q, ldq);
+    pack_bf16_rows(src, m, D, q + row0 * ldq, ldq);
   }
   float score_mul() const { return qmul; }
-  void pack_tile(int64_t slot, const uint16_t* k, int64_t krs, const uint16_t* v, int64_t vrs, int64_t n, int64_t Dv) {
-    pack_pairs_transposed(k, krs, n, round_up(n, Simd<float>::W), D, kt + slot * kslot);
-    pack_pairs_rows(v, vrs, n, Dv, vs + slot * vslot, kPairPanel, (bk + 1) / 2 * kPairPanel);
+  void pack_tile(int64_t slot, const Rows<uint16_t>& k, const Rows<uint16_t>& v, int64_t n, int64_t Dv) {
+    pack_pairs_transposed(k, n, round_up(n, Simd<float>::W), D, kt + slot * kslot);
+    pack_pairs_rows(v, n, Dv, vs + slot * vslot, kPairPanel, (bk + 1) / 2 * kPairPanel);
   }
   void prefetch_tile(int64_t slot, int64_t part, int64_t parts) const {
     prefetch_part(kt + slot * kslot, kslot * 4, part, parts);
@@ -252,16 +254,16 @@ struct BackwardOperands<uint16_t, float> {
     dsr = reinterpret_cast<uint16_t*>(arena.take(bq * ldk / 2));
   }
 
-  void pack_task_rows(const uint16_t* q_rows, int64_t qrs, const uint16_t* dout_rows, int64_t drs, int64_t rows) {
-    pack_bf16_rows(q_rows, qrs, rows, D, q, ldq);
-    pack_bf16_rows(dout_rows, drs, rows, Dv, dout, ldo);
-    pack_pairs_rows(q_rows, qrs, rows, D, qpairs, dp, kPairPanel);
-    pack_pairs_rows(dout_rows, drs, rows, Dv, dopairs, dvp, kPairPanel);
+  void pack_task_rows(const Rows<uint16_t>& q_rows, const Rows<uint16_t>& dout_rows, int64_t rows) {
+    pack_bf16_rows(q_rows, rows, D, q, ldq);
+    pack_bf16_rows(dout_rows, rows, Dv, dout, ldo);
+    pack_pairs_rows(q_rows, rows, D, qpairs, dp, kPairPanel);
+    pack_pairs_rows(dout_rows, rows, Dv, dopairs, dvp, kPairPanel);
   }
-  void pack_tile(const uint16_t* k, int64_t krs, const uint16_t* v, int64_t vrs, int64_t n, int64_t np) {
-    pack_pairs_transposed(k, krs, n, np, D, kt);
-    pack_pairs_rows(k, krs, n, D, kr, kPairPanel, (bk + 1) / 2 * kPairPanel);
-    pack_pairs_transposed(v, vrs, n, np, Dv, vt);
+  void pack_tile(const Rows<uint16_t>& k, const Rows<uint16_t>& v, int64_t n, int64_t np) {
+    pack_pairs_transposed(k, n, np, D, kt);
+    pack_pairs_rows(k, n, D, kr, kPairPanel, (bk + 1) / 2 * kPairPanel);
+    pack_pairs_transposed(v, n, np, Dv, vt);
   }
   void prefetch_rows(int64_t r0, int64_t n, int64_t part, int64_t parts) const {
     prefetch_part(q + r0 * ldq, n * ldq * 2, part, parts);

@@ -41,14 +41,15 @@ struct ForwardOperands {
     vs = arena.take(slots * vslot);
   }
 
-  // The block's m query rows (row stride rs), and the factor mul that takes
-  // their scores to log2 units: here q * mul is packed (score_mul() = 1).
-  void pack_q(const S* src, int64_t rs, int64_t m, A mul) { pack_rows(src, rs, m, D, q, D, mul); }
+  // m query rows into the block's rows [row0, row0 + m), and the factor mul
+  // that takes their scores to log2 units: here q * mul is packed
+  // (score_mul() = 1). One mul for every row of a block.
+  void pack_q(const Rows<S>& src, int64_t m, A mul, int64_t row0) { pack_rows(src, m, D, q + row0 * D, D, mul); }
   A score_mul() const { return A(1); }
   // n kv positions into tile slot `slot`: k transposed, v rows, zero-padded.
-  void pack_tile(int64_t slot, const S* k, int64_t krs, const S* v, int64_t vrs, int64_t n, int64_t Dv) {
-    pack_transposed(k, krs, n, round_up(n, Simd<A>::W), D, kt + slot * kslot);
-    pack_rows_panels(v, vrs, n, Dv, bk, vs + slot * vslot);
+  void pack_tile(int64_t slot, const Rows<S>& k, const Rows<S>& v, int64_t n, int64_t Dv) {
+    pack_transposed(k, n, round_up(n, Simd<A>::W), D, kt + slot * kslot);
+    pack_rows_panels(v, n, Dv, bk, vs + slot * vslot);
   }
   // Part `part` of `parts` of tile slot's memory towards L2.
   void prefetch_tile(int64_t slot, int64_t part, int64_t parts) const {
@@ -99,15 +100,15 @@ struct BackwardOperands {
   }
 
   // The task's `rows` query rows of q and dO.
-  void pack_task_rows(const S* q_rows, int64_t qrs, const S* dout_rows, int64_t drs, int64_t rows) {
-    pack_rows(q_rows, qrs, rows, D, q, dp, A(1));
-    pack_rows(dout_rows, drs, rows, Dv, dout, dvp, A(1));
+  void pack_task_rows(const Rows<S>& q_rows, const Rows<S>& dout_rows, int64_t rows) {
+    pack_rows(q_rows, rows, D, q, dp, A(1));
+    pack_rows(dout_rows, rows, Dv, dout, dvp, A(1));
   }
   // The tile's n kv positions (np: n in whole vectors).
-  void pack_tile(const S* k, int64_t krs, const S* v, int64_t vrs, int64_t n, int64_t np) {
-    pack_transposed(k, krs, n, np, D, kt);
-    pack_rows_panels(k, krs, n, D, bk, kr);
-    pack_transposed(v, vrs, n, np, Dv, vt);
+  void pack_tile(const Rows<S>& k, const Rows<S>& v, int64_t n, int64_t np) {
+    pack_transposed(k, n, np, D, kt);
+    pack_rows_panels(k, n, D, bk, kr);
+    pack_transposed(v, n, np, Dv, vt);
   }
   // Part `part` of `parts` of rows [r0, r0 + n) of q and dO towards L2.
   void prefetch_rows(int64_t r0, int64_t n, int64_t part, int64_t parts) const {

@@ -144,7 +144,7 @@ class RelPosForward {
     }
     if (const int64_t nc = band.width - keep; nc > 0) {
       const int64_t ncp = round_up(nc, W);
-      pack_transposed(head_.table + (band.start + keep) * head_.trs, head_.trs, nc, ncp, D_, pt_);
+      pack_transposed(strided_rows(head_.table + (band.start + keep) * head_.trs, head_.trs), nc, ncp, D_, pt_);
       gemm_set(m_, ncp, D_, qv_, dp_, panel_major(pt_, D_), g_ + keep, ldg_);
     }
     start_ = band.start, held_ = band.width;
@@ -216,7 +216,7 @@ class RelPosBackward {
   void add_scores(int64_t i0, int64_t mm, int64_t j0, int64_t n, int64_t np, A* s, int64_t ldk) {
     const RelPosBand band = rel_pos_band(head_.center, head_.step, i0, mm, j0, n);
     const int64_t ncp = round_up(band.width, Simd<A>::W);
-    pack_transposed(head_.table + band.start * head_.trs, head_.trs, band.width, ncp, D_, pt_);
+    pack_transposed(strided_rows(head_.table + band.start * head_.trs, head_.trs), band.width, ncp, D_, pt_);
     int64_t* cb = rows_.data();
     int64_t* ce = cb + mm;
     for (int64_t r = 0; r < mm; ++r) cb[r] = head_.step * (mm - 1 - r), ce[r] = cb[r] + n;
@@ -253,7 +253,7 @@ class RelPosBackward {
     int64_t* ke = kb + mm;
     for (int64_t r = 0; r < mm; ++r) kb[r] = head_.step * (mm - 1 - r), ke[r] = kb[r] + n;
     // dQ += dG P (the band's rows as B).
-    pack_rows_panels(head_.table + band.start * head_.trs, head_.trs, band.width, D_, bwmax_, pr_);
+    pack_rows_panels(strided_rows(head_.table + band.start * head_.trs, head_.trs), band.width, D_, bwmax_, pr_);
     gemm_add(mm, dp_, band.width, g_, ldg_, panel_major(pr_, bwmax_), dq, dp_, Ragged{nullptr, kb, ke});
     // d(table) rows of the band += dG^T (Q + v): band column c gets rows
     // [mm - 1 - c, mm - 1 - c + n) (step 1), every row (step 0).

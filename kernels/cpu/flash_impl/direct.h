@@ -1,0 +1,197 @@
+// Few query rows (decoding): the products of a forward block of at most
+// kDirectRows rows, reading the kv rows in place — strided, or through a
+// paged cache's block table (packing.h's Rows) — and converting them to the
+// accumulation type on load. A tile that no other row block reads would pay
+// for its packing with nothing in return, and decoding is bound by reading
+// the cache: every kv byte is read once, straight into registers.
+// A part of cpu/flash_attention_impl.h, which says what includes it and how.
+#ifndef DIMATTN_CPU_FLASH_PARTS
+#error "included by cpu/flash_attention_impl.h only"
+#endif
+
+// Rows of a block that take the direct products.
+constexpr int64_t kDirectRows = 8;
+// W elements of S at p as a vector of A (bfloat16 and float16 widened to float).
+template <class A, class S>
+DIMATTN_INLINE typename Simd<A>::V load_as(const S* p) {
+  using V = typename Simd<A>::V;
+  if constexpr (std::is_same_v<S, A>) {
+    return vload<V>(p);
+  } else if constexpr (std::is_same_v<S, uint16_t>) {  // bfloat16: the upper half of a float
+    typedef uint16_t vh __attribute__((vector_size(sizeof(V) / 2)));
+    const vi bits = __builtin_convertvector(vload<vh>(p), vi) << 16;
+    V r;
+    std::memcpy(&r, &bits, sizeof r);
+    return r;
+  } else {
+    static_assert(std::is_same_v<S, Half>, "bfloat16, float16 or the accumulation type");
+    return halves_to_vf(&p->bits);
+  }
+}
+
+// The lane sums of W vectors as one vector (lane i: the sum of x[i]'s lanes).
+// Each step adds the two halves of every block of lanes while pairing the
+// vectors, so W sums take W - 1 additions and 2 (W - 1) shuffles instead of
+// W horizontal sums of log2(W) dependent steps each.
+#if defined(__clang__) || __GNUC__ >= 12
+template <size_t W, size_t B, bool kHi>
+constexpr int halving_lane(size_t l) {
+  // Output lane l takes, from x (l < W / 2) or y, block l' / (B / 2) of its
+  // blocks of B lanes (l' = l % (W / 2)): the block's lower or upper half.
+  const size_t half = B / 2, within = l % (W / 2);
+  return static_cast<int>(l / (W / 2) * W + within / half * B + (kHi ? half : 0) + within % half);
+}
+template <size_t B, bool kHi, class V, size_t... L>
+DIMATTN_INLINE V halving_pick(const V& x, const V& y, std::index_sequence<L...>) {
+  return __builtin_shufflevector(x, y, halving_lane<sizeof...(L), B, kHi>(L)...);
+}
+template <size_t B, class V>
+DIMATTN_INLINE void halving_step(V* x, size_t n) {
+  constexpr size_t W = sizeof(V) / sizeof(x[0][0]);
+  for (size_t i = 0; i < n / 2; ++i)
+    x[i] = halving_pick<B, false>(x[2 * i], x[2 * i + 1], std::make_index_sequence<W>{}) +
+           halving_pick<B, true>(x[2 * i], x[2 * i + 1], std::make_index_sequence<W>{});
+  if constexpr (B > 2) halving_step<B / 2>(x, n / 2);
+}
+template <class V>
+DIMATTN_INLINE V lane_sums(V* x) {
+  halving_step<sizeof(V) / sizeof(x[0][0])>(x, sizeof(V) / sizeof(x[0][0]));
+  return x[0];
+}
+#else
+template <class V>
+DIMATTN_INLINE V lane_sums(V* x) {
+  V r;
+  for (size_t i = 0; i < sizeof(V) / sizeof(r[0]); ++i) r[i] = hsum(x[i]);
+  return r;
+}
+#endif
+
+// s[r][c] = qs[r] . k(c) for M rows (qs: [M][D], already in score units) and
+// kv positions c < n. KR positions per step keep M x KR = W accumulators,
+// summed by lane_sums.
+template <int M, class A, class S>
+void direct_scores(int64_t n, int64_t D, const A* qs, const Rows<S>& k, A* s, int64_t lds) {
+  using V = typename Simd<A>::V;
+  constexpr int W = Simd<A>::W, KR = W / M;
+  static_assert(W % M == 0, "M divides the vector width");
+  const int64_t dv = D / W * W;
+  int64_t c = 0;
+  for (; c + KR <= n; c += KR) {
+    const S* kr[KR];
+    for (int t = 0; t < KR; ++t) kr[t] = k(c + t);
+    V acc[M * KR];
+    for (int i = 0; i < M * KR; ++i) acc[i] = V{};
+    for (int64_t d = 0; d < dv; d += W) {
+      V kv[KR];
+      for (int t = 0; t < KR; ++t) kv[t] = load_as<A>(kr[t] + d);
+      for (int r = 0; r < M; ++r) {
+        const V qv = vload<V>(qs + r * D + d);
+        for (int t = 0; t < KR; ++t) acc[r * KR + t] = vfma(qv, kv[t], acc[r * KR + t]);
+      }
+    }
+    const V sums = lane_sums(acc);
+    for (int r = 0; r < M; ++r)
+      for (int t = 0; t < KR; ++t) {
+        A x = sums[r * KR + t];
+        for (int64_t d = dv; d < D; ++d) x += qs[r * D + d] * to_acc(kr[t][d]);
+        s[r * lds + c + t] = x;
+      }
+  }
+  for (; c < n; ++c) {  // the last positions, one at a time
+    const S* kr = k(c);
+    V acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = V{};
+    for (int64_t d = 0; d < dv; d += W) {
+      const V kv = load_as<A>(kr + d);
+      for (int r = 0; r < M; ++r) acc[r] = vfma(vload<V>(qs + r * D + d), kv, acc[r]);
+    }
+    for (int r = 0; r < M; ++r) {
+      A x = hsum(acc[r]);
+      for (int64_t d = dv; d < D; ++d) x += qs[r * D + d] * to_acc(kr[d]);
+      s[r * lds + c] = x;
+    }
+  }
+}
+
+// s = the scores of m <= kDirectRows rows (qs: [m][D], and zero rows up to
+// the next multiple of 4 where m % 4 == 3: three rows run as four).
+template <class A, class S>
+void direct_scores_rows(int64_t m, int64_t n, int64_t D, const A* qs, const Rows<S>& k, A* s, int64_t lds) {
+  constexpr int kStep = Simd<A>::W % 4 == 0 ? 4 : 2;  // rows per pass: 4 where they divide the width
+  for (int64_t r = 0; r < m; r += kStep) {
+    const int64_t rows = std::min<int64_t>(kStep, m - r);
+    const A* q = qs + r * D;
+    A* sr = s + r * lds;
+    if (rows == 1) {
+      direct_scores<1>(n, D, q, k, sr, lds);
+    } else if (rows == 2) {
+      direct_scores<2>(n, D, q, k, sr, lds);
+    } else if constexpr (kStep == 4) {
+      direct_scores<4>(n, D, q, k, sr, lds);
+    }
+  }
+}
+
+// o[r][0 : Dv) += sum_c p[r][c] v(c) over rows r < M and positions c in
+// [c0, c1): p's rows hold the weights, zero outside each row's positions.
+// CV vectors of columns per pass keep M x CV accumulators in registers.
+// pre: Dv % W == 0.
+template <int M, int CV, class A, class S>
+void direct_pv(int64_t c0, int64_t c1, int64_t Dv, const A* p, int64_t ldp, const Rows<S>& v, A* o, int64_t ldo) {
+  using V = typename Simd<A>::V;
+  constexpr int W = Simd<A>::W;
+  for (int64_t e0 = 0; e0 < Dv; e0 += CV * W) {
+    const int cv = static_cast<int>(std::min<int64_t>(CV, (Dv - e0) / W));
+    V acc[M][CV];
+    for (int r = 0; r < M; ++r)
+      for (int u = 0; u < CV; ++u) acc[r][u] = u < cv ? vload<V>(o + r * ldo + e0 + u * W) : V{};
+    if (cv == CV) {
+      for (int64_t c = c0; c < c1; ++c) {
+        const S* vr = v(c) + e0;
+        V vv[CV];
+        for (int u = 0; u < CV; ++u) vv[u] = load_as<A>(vr + u * W);
+        for (int r = 0; r < M; ++r) {
+          const V pr = Simd<A>::splat(p[r * ldp + c]);
+          for (int u = 0; u < CV; ++u) acc[r][u] = vfma(pr, vv[u], acc[r][u]);
+        }
+      }
+    } else {  // the last columns: fewer vectors
+      for (int64_t c = c0; c < c1; ++c) {
+        const S* vr = v(c) + e0;
+        for (int u = 0; u < cv; ++u) {
+          const V vv = load_as<A>(vr + u * W);
+          for (int r = 0; r < M; ++r) acc[r][u] = vfma(Simd<A>::splat(p[r * ldp + c]), vv, acc[r][u]);
+        }
+      }
+    }
+    for (int r = 0; r < M; ++r)
+      for (int u = 0; u < cv; ++u) vstore(o + r * ldo + e0 + u * W, acc[r][u]);
+  }
+}
+
+// o += p v for m <= kDirectRows rows, row r's weights nonzero in [lbs[r],
+// nvs[r]) only (nullptr: [0, n)).
+template <class A, class S>
+void direct_pv_rows(int64_t m, int64_t n, int64_t Dv, const A* p, int64_t ldp, const Rows<S>& v, A* o, int64_t ldo,
+                    const int64_t* lbs, const int64_t* nvs) {
+  // Accumulators: 16 of AVX-512's 32 registers, 8 of AVX2's 16 (and of SSE's).
+  constexpr int kAcc = Simd<A>::W * static_cast<int>(sizeof(A)) >= 64 ? 16 : 8;
+  for (int64_t r = 0; r < m; r += 4) {
+    const int64_t rows = std::min<int64_t>(4, m - r);
+    int64_t c0 = 0, c1 = n;
+    if (nvs) {
+      c0 = *std::min_element(lbs + r, lbs + r + rows);
+      c1 = *std::max_element(nvs + r, nvs + r + rows);
+      if (c1 <= c0) continue;
+    }
+    const A* pr = p + r * ldp;
+    A* orow = o + r * ldo;
+    switch (rows) {
+      case 1: direct_pv<1, kAcc>(c0, c1, Dv, pr, ldp, v, orow, ldo); break;
+      case 2: direct_pv<2, kAcc / 2>(c0, c1, Dv, pr, ldp, v, orow, ldo); break;
+      case 3: direct_pv<3, kAcc / 4>(c0, c1, Dv, pr, ldp, v, orow, ldo); break;
+      default: direct_pv<4, kAcc / 4>(c0, c1, Dv, pr, ldp, v, orow, ldo); break;
+    }
+  }
+}

@@ -1,0 +1,139 @@
+// cpu_flash's decode path (few query rows over a kv cache: the query heads
+// of a kv head folded into one block, long caches split into chunks whose
+// softmax states merge) and paged kv caches (pools of blocks through a block
+// table), against the naive float64 reference of cpu_flash_case.h.
+#include <gtest/gtest.h>
+
+#include "cpu_flash_case.h"
+
+namespace dimattn::kernels {
+namespace {
+
+// The chunks forward_decode splits a case's kv positions into
+// (cpu_flash::decode_chunk_tiles; one block per batch entry and kv head when
+// a kv head's query heads fit one block).
+int64_t decode_chunks(const Case& c) {
+  const int64_t bk = cpu_flash::fwd_block_k(c.D, 16), tiles = (c.Tk + bk - 1) / bk;
+  return (tiles + cpu_flash::decode_chunk_tiles(c.B * c.Hkv, tiles, bk) - 1) /
+         cpu_flash::decode_chunk_tiles(c.B * c.Hkv, tiles, bk);
+}
+
+TEST(CpuFlashDecode, QueryHeadsOfAKvHeadShareItsTiles) {
+  // 1 to 16 query rows (the decode path's range), GQA and multi-query,
+  // causal with each entry's own offset, kv lengths, dropout; forward and
+  // backward (training with short queries).
+  int ran = 0;
+  for (ElementType t : kAllTypes)
+    for (int64_t tq : {1, 3, 16})
+      for (int64_t hkv : {2, 1}) {
+        Case c = base("decode Tq=" + std::to_string(tq) + " Hkv=" + std::to_string(hkv), t);
+        c.B = 2, c.H = 8, c.Hkv = hkv, c.Tq = tq, c.Tk = 300, c.D = c.Dv = 32, c.causal = true;
+        c.offsets = {300 - tq, 120};
+        c.kv_lens = {300, 140};
+        c.p = tq == 3 ? 0.2 : 0.0;
+        check_case(c);
+        ++ran;
+      }
+  EXPECT_EQ(ran, 24);
+}
+
+TEST(CpuFlashDecode, SplitCacheMergesToTheUnsplitResult) {
+  // One sequence over one kv head: too few blocks for the threads, so the
+  // cache splits into chunks and their states merge. Lengths that end
+  // inside a chunk, and a row that sees only the first chunk (causal).
+  int ran = 0;
+  for (ElementType t : {ElementType::float32, ElementType::bfloat16, ElementType::float16, ElementType::float64})
+    for (int64_t tq : {1, 5}) {
+      Case c = base("split cache Tq=" + std::to_string(tq), t);
+      c.B = 1, c.H = 4, c.Hkv = 1, c.Tq = tq, c.Tk = 4700, c.D = c.Dv = 64, c.causal = true;
+      c.offsets = {tq == 1 ? 4699 : 1000};
+      ASSERT_GE(decode_chunks(c), 2) << "the case must split its cache";
+      check_case(c, false);
+      c.name += " short", c.kv_lens = {2500};
+      check_case(c, false);
+      ran += 2;
+    }
+  EXPECT_EQ(ran, 16);
+}
+
+TEST(CpuFlashDecode, ChunkingDependsOnTheShapeOnly) {
+  // Many blocks: one chunk each; few: the cache splits, never below
+  // decode_min_chunk_positions a chunk.
+  const int64_t bk = cpu_flash::fwd_block_k(128, 16), tiles = 32768 / bk;
+  EXPECT_EQ(cpu_flash::decode_chunk_tiles(cpu_flash::decode_min_tasks(), tiles, bk), tiles);
+  const int64_t one = cpu_flash::decode_chunk_tiles(1, tiles, bk);
+  EXPECT_LT(one, tiles);
+  EXPECT_GE(one * bk, cpu_flash::decode_min_chunk_positions());
+}
+
+// Paged caches: forward only (the kernel reads pools; gradients go to tensors).
+void check_paged(Case c, int& ran) {
+  check_case(c, false);
+  ++ran;
+}
+
+TEST(CpuFlashPaged, BlockSizesLayoutsAndLengths) {
+  // Block sizes 1, 16 and odd; both pool layouts; sequences of length 0, 1,
+  // one block and many; decode (1-16 rows) and longer chunks (the tiled path).
+  int ran = 0;
+  for (int64_t ps : {1, 16, 7})
+    for (bool heads_outer : {false, true})
+      for (int64_t tq : {1, 4, 40}) {
+        Case c = base("paged ps=" + std::to_string(ps) + (heads_outer ? " heads-outer" : "") +
+                      " Tq=" + std::to_string(tq));
+        c.B = 4, c.H = 4, c.Hkv = 2, c.Tq = tq, c.Tk = 200, c.D = c.Dv = 32, c.causal = true;
+        c.page_size = ps, c.heads_outer = heads_outer;
+        c.kv_lens = {200, 0, 1, ps};
+        c.offsets = {200 - tq, -tq, 1 - tq, ps - tq};  // the new rows are each sequence's last
+        check_paged(c, ran);
+      }
+  EXPECT_EQ(ran, 18);
+}
+
+TEST(CpuFlashPaged, HalfPrecisionPoolsSharedPrefixAndSplitCache) {
+  int ran = 0;
+  for (ElementType t : kAllTypes) {
+    Case c = base("paged shared prefix", t);
+    c.B = 3, c.H = 8, c.Hkv = 2, c.Tq = 2, c.Tk = 260, c.D = c.Dv = 64, c.causal = true;
+    c.page_size = 16, c.shared_prefix = 128;
+    c.kv_lens = {260, 130, 200};
+    c.offsets = {258, 128, 198};
+    check_paged(c, ran);
+    Case s = base("paged split cache", t);  // one sequence: its chunks' merge over pages
+    s.B = 1, s.H = 4, s.Hkv = 1, s.Tq = 1, s.Tk = 4700, s.D = s.Dv = 64, s.causal = true;
+    s.offsets = {4699};
+    s.page_size = 128, s.heads_outer = true;
+    ASSERT_GE(decode_chunks(s), 2);
+    check_paged(s, ran);
+  }
+  EXPECT_EQ(ran, 8);
+}
+
+TEST(CpuFlashPaged, RejectsBadTablesAndPools) {
+  Case c = base("paged errors");
+  c.B = 2, c.H = 2, c.Hkv = 1, c.Tq = 1, c.Tk = 40, c.D = c.Dv = 8, c.page_size = 16;
+  c.kv_lens = {40, 17};
+  const Inputs in = make_inputs(c);
+  KernelRun r = prepare(c, in);
+  ASSERT_EQ(r.p.validate(false), "");
+  ASSERT_EQ(r.p.validate_host_arrays(), "");
+  const int64_t cap = r.p.pages.table_stride;
+  r.block_table[cap + 1] = static_cast<int32_t>(r.p.pages.num_blocks);  // entry 1's second block
+  EXPECT_EQ(r.p.validate_host_arrays(),
+            "[attention] block_table[1][1] = " + std::to_string(r.p.pages.num_blocks) + " is outside the pool's [0, " +
+                std::to_string(r.p.pages.num_blocks) + ") blocks (entry 1 has 17 positions)");
+  r.block_table[cap + 1] = -1;
+  EXPECT_NE(r.p.validate_host_arrays().find("block_table[1][1] = -1"), std::string::npos);
+  r.block_table[cap + 1] = 0;
+  r.block_table[cap + 2] = 99;  // past entry 1's length: never read, not checked
+  EXPECT_EQ(r.p.validate_host_arrays(), "");
+  r.p.seqlen_k = cap * 16 + 1;
+  EXPECT_NE(r.p.validate(false).find("past the block table's capacity"), std::string::npos);
+  r.p.seqlen_k = 40;
+  EXPECT_NE(r.p.validate(true).find("forward pass only"), std::string::npos);
+  r.p.pages.block_size = 0;
+  EXPECT_NE(r.p.validate(false).find("block_size must be >= 1"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace dimattn::kernels
