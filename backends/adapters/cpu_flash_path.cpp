@@ -127,6 +127,7 @@ KernelEntry cpu_flash_entry(kernels::ParallelFor (*pool)()) {
                       const AttentionBlockResult* merged) {
     return backward_of(be, c, form_of(be, c, plan), grad_output, merged, pool());
   };
+  e.paged = [pool](Backend& be, const PagedAttentionCall& c) { return cpu_flash_paged(be, c, pool()); };
   return e;
 }
 

@@ -31,6 +31,9 @@ struct FlashForward {
 };
 FlashForward flash_forward(Backend& be, const AttentionCall& c, const FlashLayout& l, const FlashInputs& in,
                            const kernels::ParallelFor& pf);
+// Attention over a paged kv cache, the pools read in place (cpu_flash_paged.cpp):
+// KernelEntry::paged of cpu_flash.
+Tensor cpu_flash_paged(Backend& be, const PagedAttentionCall& c, const kernels::ParallelFor& pf);
 // dout [B, H, Tq, Dv] -> the gradients (kernel_form.h's FlashGrads), d(bias)
 // where the bias needs one (backends without autograd: always).
 FlashGrads flash_backward(Backend& be, const AttentionCall& c, const FlashLayout& l, const FlashInputs& in,

@@ -320,6 +320,11 @@ KernelEntry outside_autograd(KernelEntry e) {
     const at::NoGradGuard no_grad;
     return backward(be, c, plan, grad_output, merged);
   };
+  if (e.paged)
+    e.paged = [paged = std::move(e.paged)](Backend& be, const PagedAttentionCall& c) {
+      const at::NoGradGuard no_grad;
+      return paged(be, c);
+    };
   return e;
 }
 

@@ -15,9 +15,11 @@ from ._attention import Decision, Rejection, dot_attention, explain
 from ._context_parallel import ContextParallel, shard, shard_ranges
 from ._varlen import packed_attention, varlen_attention
 from ._sdpa import scaled_dot_product_attention, sdpa_patched
+from ._kv_cache import kv_cache_append, kv_cache_attention
 from . import nn
 
 __all__ = ["Dim", "Error", "Tensor", "AttentionTrace", "Decision", "Rejection", "Variants", "dot_attention", "explain",
            "force", "kernel_names", "trace", "train_flag", "train_scope", "ContextParallel", "shard", "shard_ranges",
-           "packed_attention", "varlen_attention", "scaled_dot_product_attention", "sdpa_patched"]
+           "packed_attention", "varlen_attention", "scaled_dot_product_attention", "sdpa_patched", "kv_cache_attention",
+           "kv_cache_append"]
 __version__ = "0.1.0"

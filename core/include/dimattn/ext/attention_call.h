@@ -61,6 +61,28 @@ struct AttentionCall {
   Padding padding() const;
 };
 
+// Attention over a paged kv cache (kv_cache_attention, dimattn/kv_cache.h)
+// as a kernel receives it: every tensor aligned to its dims' fixed order
+// (views of the caller's memory; the pools never copied):
+//   query        {batch..., kv_heads..., groups..., query_spatial, key_dim}
+//   keys, values {block, slot, kv_heads..., key_dim / value_feature}
+//   block_table  {batch..., table} (int32), lengths {batch...} (int64)
+// Sequence e's kv position j lies in block block_table[e, j / |slot|] at
+// slot j % |slot|; it has lengths[e] positions, its query_lengths[e] (all
+// of query_spatial when absent) query rows the last of them: causal row i
+// attends j <= i + lengths[e] - query_lengths[e]. The output is over
+// {batch..., kv_heads..., groups..., query_spatial, value_feature}.
+struct PagedAttentionCall {
+  Tensor query, keys, values, block_table, lengths;
+  std::optional<Tensor> query_lengths;
+  Dims batch, kv_heads, groups;
+  Dim query_spatial, key_dim, value_feature, block, slot, table;
+  double scale = 1.0;
+  bool causal = true;
+  std::optional<AttentionWindow> window;
+  std::optional<double> softcap;
+};
+
 // The roles of a call as AttentionParams, with the given layout class (the
 // backend detects it) and the current forcing and determinism settings.
 // (Calls under a capturing TraceScope never get here: dot_attention runs the

@@ -50,6 +50,11 @@ struct KernelEntry {
                                    const AttentionBlockResult* merged)>
       backward;
 
+  // Attention over a paged kv cache read in place (kv_cache_attention);
+  // empty for kernels that cannot, for which the frontend gathers the pages
+  // and runs dot_attention's reference path.
+  std::function<Tensor(Backend&, const PagedAttentionCall&)> paged;
+
   // Whether it has the function `use` needs; else why not (for the rejection).
   GateResult serves(KernelUse use) const;
   // The code path the kernel runs for params (Decision::isa); empty for a

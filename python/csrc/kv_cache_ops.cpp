@@ -1,0 +1,83 @@
+// dimattn's kv cache attention as a torch op (python/dimattn/_kv_cache.py),
+// in FlashAttention's terms (flash_attn_with_kvcache):
+//
+//   dimattn::kv_cache_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens,
+//       Tensor? block_table, Tensor? seqlens_q, bool causal, float scale, int window_left,
+//       float softcap, bool heads_outer, str force) -> Tensor
+//
+// q [B, Tq, H, D] (H a multiple of the cache's kv heads), seqlens_q [B] each
+// sequence's new positions (absent: Tq each). Without block_table the cache
+// is [B, S, Hkv, D]: one block of S positions per sequence, read in place
+// the same way. With it, the pools are [blocks, block_size, Hkv, D] or
+// (heads_outer) [blocks, Hkv, block_size, D]. Returns [B, Tq, H, Dv]. The
+// names become Dims here and the frontend's kv_cache_attention runs on the
+// torch backend over the same memory.
+#include <torch/library.h>
+
+#include <ATen/ops/arange.h>
+
+#include "dimattn/forcing.h"
+#include "dimattn/kv_cache.h"
+#include "dimattn/torch_interop.h"
+
+namespace dimattn::python {
+namespace {
+
+at::Tensor kv_cache_attention_op(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& block_table,
+                                 const std::optional<at::Tensor>& seqlens_q, bool causal, double scale,
+                                 int64_t window_left, double softcap, bool heads_outer, const std::string& force) {
+  constexpr const char* op = "[kv_cache_attention] ";
+  TORCH_CHECK(q.dim() == 4, op, "q must be [batch, new positions, heads, head_dim], got ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, op, "k_cache and v_cache must be 4-d, got ", k_cache.sizes(),
+              " and ", v_cache.sizes());
+  const int64_t B = q.size(0), Tq = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t hax = heads_outer ? 1 : 2, sax = heads_outer ? 2 : 1;
+  const int64_t Hkv = k_cache.size(hax);
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, op, "q's ", H, " heads must be a multiple of the cache's ", Hkv, " kv heads");
+  TORCH_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(hax) == Hkv && v_cache.size(sax) == k_cache.size(sax),
+              op, "v_cache ", v_cache.sizes(), " must match k_cache ", k_cache.sizes(), " but for its last dim");
+  const Dim batch("batch", B), kv_heads("kv_heads", Hkv), group("group", H / Hkv), feat("head_dim", D),
+      vfeat("head_dim_v", v_cache.size(3)), block("block", k_cache.size(0)), slot("slot", k_cache.size(sax));
+  const Tensor lengths = from_aten(cache_seqlens, {batch});
+  std::optional<Dim> q_spatial;
+  if (seqlens_q)
+    q_spatial = Dim::dynamic("new", from_aten(*seqlens_q, {batch}), Tq);
+  else
+    q_spatial = Dim("new", Tq);
+  const Tensor query = from_aten(q.view({B, Tq, Hkv, H / Hkv, D}), {batch, *q_spatial, kv_heads, group, feat});
+  const Dims kdims = heads_outer ? Dims{block, kv_heads, slot, feat} : Dims{block, slot, kv_heads, feat};
+  const Dims vdims = heads_outer ? Dims{block, kv_heads, slot, vfeat} : Dims{block, slot, kv_heads, vfeat};
+  // Without a table: sequence b is block b (a table [B, 1] of 0..B-1).
+  const at::Tensor table_t =
+      block_table ? *block_table : at::arange(B, cache_seqlens.options().dtype(at::kInt)).view({B, 1});
+  const Dim table("table", table_t.size(1));
+  const PagedKvCache cache{.keys = from_aten(k_cache, kdims), .values = from_aten(v_cache, vdims), .block = block,
+                           .slot = slot, .block_table = from_aten(table_t, {batch, table}), .table = table};
+  KvCacheAttentionOptions o{.key_dim = feat, .lengths = lengths, .query_spatial = q_spatial, .causal = causal,
+                            .scale = scale};
+  if (window_left >= 0) o.variants.window = AttentionWindow{.left = window_left};
+  if (softcap > 0) o.variants.softcap = softcap;
+  const ForceKernels forced(force);
+  const Tensor out = kv_cache_attention(query, cache, o);
+  // {batch, new, kv_heads, group, head_dim_v} -> [B, Tq, H, Dv]
+  const at::Tensor& raw = to_aten(out);
+  std::vector<int64_t> perm;
+  for (const Dim& d : {batch, *q_spatial, kv_heads, group, vfeat})
+    for (size_t i = 0; i < out.dims().size(); ++i)
+      if (out.dims()[i] == d) perm.push_back(static_cast<int64_t>(i));
+  return raw.permute(perm).reshape({B, Tq, H, v_cache.size(3)});
+}
+
+}  // namespace
+}  // namespace dimattn::python
+
+TORCH_LIBRARY_FRAGMENT(dimattn, m) {
+  m.def(
+      "kv_cache_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, "
+      "Tensor? seqlens_q, bool causal, float scale, int window_left, float softcap, bool heads_outer, str force) "
+      "-> Tensor");
+}
+TORCH_LIBRARY_IMPL(dimattn, CompositeImplicitAutograd, m) {
+  m.impl("kv_cache_attention", &dimattn::python::kv_cache_attention_op);
+}

@@ -1,0 +1,160 @@
+"""dimattn.kv_cache_attention and kv_cache_append against plain torch attention per
+sequence: contiguous and paged caches (both layouts, block sizes 1, 16 and odd, a
+shuffled table, shared prefix blocks, lengths 0 and 1), ragged queries, GQA and
+multi-query, half precision, window and softcap, the gathered reference path, a
+gradient through it, and bad input."""
+import math
+
+import pytest
+import torch
+
+import dimattn as da
+
+
+def sdpa_per_sequence(q, ks, vs, lens, qlens, scale=None, window=-1, softcap=0.0):
+    """q [B, Tq, H, D], ks/vs [B, S, Hkv, D] plain; the new rows are each sequence's last."""
+    B, Tq, H, D = q.shape
+    out = torch.zeros(B, Tq, H, vs.shape[-1], dtype=torch.float64)
+    scale = scale if scale is not None else 1 / math.sqrt(D)
+    for b in range(B):
+        L, n = int(lens[b]), int(qlens[b])
+        if L == 0 or n == 0:
+            continue
+        g = H // ks.shape[2]
+        k = ks[b, :L].double().transpose(0, 1).repeat_interleave(g, 0)
+        v = vs[b, :L].double().transpose(0, 1).repeat_interleave(g, 0)
+        s = scale * q[b, :n].double().transpose(0, 1) @ k.transpose(1, 2)
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        i = torch.arange(n)[:, None] + L - n
+        j = torch.arange(L)[None, :]
+        allowed = (j <= i) & ((j >= i - window) if window >= 0 else True)
+        s = s.masked_fill(~allowed, float("-inf"))
+        out[b, :n] = (torch.softmax(s, -1) @ v).transpose(0, 1)
+    return out
+
+
+def paged(ks, vs, lens, block_size, hnd=False, shared_prefix=0, seed=0):
+    """ks/vs [B, S, Hkv, D] as NaN-filled pools with a shuffled table, written with kv_cache_append;
+    sequences b >= 1 point at sequence 0's first shared_prefix // block_size blocks."""
+    B, S, Hkv, D = ks.shape
+    cap = -(-S // block_size) + 1
+    nblocks = B * cap + 2
+    perm = torch.randperm(nblocks, generator=torch.Generator().manual_seed(seed))
+    table = torch.full((B, cap), -1, dtype=torch.int32)
+    used = 0
+    for b in range(B):
+        for t in range(-(-int(lens[b]) // block_size)):
+            if b > 0 and t < shared_prefix // block_size:
+                table[b, t] = table[0, t]
+            else:
+                table[b, t] = perm[used]
+                used += 1
+    shape = (nblocks, Hkv, block_size, D) if hnd else (nblocks, block_size, Hkv, D)
+    kp = torch.full(shape, float("nan"), dtype=ks.dtype)
+    vp = torch.full(shape[:-1] + (vs.shape[-1],), float("nan"), dtype=vs.dtype)
+    slots = torch.tensor([int(table[b, j // block_size]) * block_size + j % block_size
+                          if j < lens[b] and not (b > 0 and j < shared_prefix) else -1
+                          for b in range(B) for j in range(S)])
+    da.kv_cache_append(kp, vp, ks.reshape(B * S, Hkv, D), vs.reshape(B * S, Hkv, -1), slots,
+                       kv_layout="HND" if hnd else "NHD")
+    return kp, vp, table
+
+
+def case(B=4, Tq=1, H=8, Hkv=2, D=32, S=70, lens=(70, 1, 0, 33), dtype=torch.float32, seed=1, shared_prefix=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Tq, H, D, generator=g).to(dtype)
+    ks = torch.randn(B, S, Hkv, D, generator=g).to(dtype)
+    vs = torch.randn(B, S, Hkv, D, generator=g).to(dtype)
+    ks[1:, :shared_prefix] = ks[0, :shared_prefix]
+    vs[1:, :shared_prefix] = vs[0, :shared_prefix]
+    return q, ks, vs, torch.tensor(lens)
+
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+@pytest.mark.parametrize("hnd", [False, True])
+@pytest.mark.parametrize("block_size", [1, 16, 7])
+def test_paged_equals_plain_attention(block_size, hnd, kernels):
+    q, ks, vs, lens = case()
+    kp, vp, table = paged(ks, vs, lens, block_size, hnd)
+    with da.force(kernels.split(",")) if kernels != "auto" else da.force("auto"):
+        got = da.kv_cache_attention(q, kp, vp, lens, table, kv_layout="HND" if hnd else "NHD")
+    qlens = torch.where(lens > 0, 1, 0)
+    want = sdpa_per_sequence(q, ks, vs, lens, qlens)
+    assert torch.isfinite(got).all()
+    assert (got.double() - want).abs().max() < TOL[q.dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_contiguous_cache_multi_query_and_half_precision(dtype):
+    q, ks, vs, lens = case(H=4, Hkv=1, Tq=3, lens=(70, 3, 5, 33), dtype=dtype)
+    got = da.kv_cache_attention(q, ks, vs, lens)
+    want = sdpa_per_sequence(q, ks, vs, lens, torch.full((4,), 3))
+    assert (got.double() - want).abs().max() < TOL[dtype]
+
+
+def test_shared_prefix_blocks_and_a_split_cache():
+    # One long sequence over one kv head splits its cache over the threads.
+    q, ks, vs, lens = case(B=3, S=5000, lens=(5000, 4100, 130), H=4, Hkv=1, D=64, shared_prefix=128 * 30)
+    kp, vp, table = paged(ks, vs, lens, 128, shared_prefix=128 * 30)
+    assert (table[1, :30] == table[0, :30]).all()
+    got = da.kv_cache_attention(q, kp, vp, lens, table)
+    want = sdpa_per_sequence(q, ks, vs, lens, torch.ones(3, dtype=torch.long))
+    assert (got.double() - want).abs().max() < 2e-5
+
+
+def test_ragged_queries_continuous_batching():
+    q, ks, vs, lens = case(Tq=4, lens=(70, 2, 1, 33))
+    qlens = torch.tensor([4, 2, 0, 3])
+    kp, vp, table = paged(ks, vs, lens, 16)
+    packed = torch.cat([q[b, :int(qlens[b])] for b in range(4)])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), qlens.cumsum(0)])
+    got = da.kv_cache_attention(packed, kp, vp, lens, table, cu_seqlens_q=cu)
+    want = sdpa_per_sequence(q, ks, vs, lens, qlens)
+    want_packed = torch.cat([want[b, :int(qlens[b])] for b in range(4)])
+    assert got.shape == packed.shape
+    assert (got.double() - want_packed).abs().max() < 2e-5
+
+
+def test_window_softcap_and_scale():
+    q, ks, vs, lens = case(Tq=2, lens=(70, 9, 2, 33))
+    kp, vp, table = paged(ks, vs, lens, 16)
+    got = da.kv_cache_attention(q, kp, vp, lens, table, window_size=(5, 0), softcap=2.0, softmax_scale=0.3)
+    want = sdpa_per_sequence(q, ks, vs, lens, torch.full((4,), 2), scale=0.3, window=5, softcap=2.0)
+    assert (got.double() - want).abs().max() < 2e-5
+
+
+def test_query_gradient_through_the_gathered_pages():
+    q, ks, vs, lens = case(lens=(70, 1, 5, 33))
+    kp, vp, table = paged(ks, vs, lens, 16)
+    q64 = q.double().requires_grad_()
+    got = da.kv_cache_attention(q64, kp.double(), vp.double(), lens, table)
+    want = sdpa_per_sequence(q64, ks, vs, lens, torch.ones(4, dtype=torch.long))
+    assert (got - want).abs().max() < 1e-10
+    gq, = torch.autograd.grad(got.sum(), q64)
+    q2 = q.double().requires_grad_()
+    gw, = torch.autograd.grad(sdpa_per_sequence(q2, ks, vs, lens, torch.ones(4, dtype=torch.long)).sum(), q2)
+    assert (gq - gw).abs().max() < 1e-10
+
+
+def test_append_writes_in_place_and_bad_input_is_an_error():
+    kp = torch.zeros(4, 16, 2, 8)
+    vp = torch.zeros(4, 16, 2, 8)
+    ptr = kp.data_ptr()
+    k = torch.randn(3, 2, 8)
+    da.kv_cache_append(kp, vp, k, k, torch.tensor([17, -1, 63]))
+    assert kp.data_ptr() == ptr
+    assert torch.equal(kp[1, 1], k[0]) and torch.equal(kp[3, 15], k[2]) and kp.count_nonzero() == 32
+    with pytest.raises(da.Error, match=r"slot 64 is past the pools' 64 slots"):
+        da.kv_cache_append(kp, vp, k, k, torch.tensor([0, 1, 64]))
+    q = torch.randn(1, 1, 4, 8)
+    table = torch.tensor([[0, 9]], dtype=torch.int32)
+    with pytest.raises(da.Error, match=r"block_table\[0\]\[1\] = 9 is outside the pool's 4 blocks"):
+        da.kv_cache_attention(q, kp, vp, torch.tensor([20]), table)
+    with pytest.raises(da.Error, match="past the block table's capacity"):
+        da.kv_cache_attention(q, kp, vp, torch.tensor([33]), table)
+    with pytest.raises(da.Error, match="multiple of the cache's 2 kv heads"):
+        da.kv_cache_attention(torch.randn(1, 1, 3, 8), kp, vp, torch.tensor([20]), table)
