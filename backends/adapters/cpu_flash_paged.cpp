@@ -95,6 +95,14 @@ Tensor cpu_flash_paged(Backend& be, const PagedAttentionCall& c, const kernels::
   p.v_strides = {0, v.strides[2], v.strides[1], 1};
   p.out_strides = {Hkv * G * Tq * Dv, Tq * Dv, Dv, 1};
   p.pages = {table.data(), c.table.extent(), c.slot.extent(), c.block.extent(), k.strides[0], v.strides[0]};
+  // One block per sequence, block e for sequence e (a contiguous cache): plain
+  // strides, no table.
+  bool identity = c.table.extent() == 1;
+  for (int64_t b = 0; identity && b < B; ++b) identity = table[b] == b;
+  if (identity) {
+    p.k_strides.batch = k.strides[0], p.v_strides.batch = v.strides[0];
+    p.pages = {};
+  }
   p.kv_lengths = lengths.data();
   p.q_lengths = qlens.empty() ? nullptr : qlens.data();
   p.causal = c.causal;

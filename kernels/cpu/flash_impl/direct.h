@@ -11,6 +11,17 @@
 
 // Rows of a block that take the direct products.
 constexpr int64_t kDirectRows = 8;
+// How many kv rows ahead the direct products prefetch the rows they will
+// read (within the tile: past it a paged table may end). The hardware's
+// prefetchers alone left a heads-outer float32 cache at 17 ms per call for
+// B = 1, 32 query over 8 kv heads, 32k positions; 8 rows ahead gave 10.5 ms,
+// 16 or 32 less (bench/decode.py, AMD EPYC Zen 5, 2 threads).
+constexpr int64_t kPrefetchRows = 8;
+
+// Every cache line of a row of `bytes` towards L1.
+DIMATTN_INLINE void prefetch_row(const void* row, int64_t bytes) {
+  for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(static_cast<const char*>(row) + l, 0, 3);
+}
 // W elements of S at p as a vector of A (bfloat16 and float16 widened to float).
 template <class A, class S>
 DIMATTN_INLINE typename Simd<A>::V load_as(const S* p) {
@@ -80,6 +91,8 @@ void direct_scores(int64_t n, int64_t D, const A* qs, const Rows<S>& k, A* s, in
   for (; c + KR <= n; c += KR) {
     const S* kr[KR];
     for (int t = 0; t < KR; ++t) kr[t] = k(c + t);
+    for (int t = 0; t < KR; ++t)
+      if (c + t + kPrefetchRows < n) prefetch_row(k(c + t + kPrefetchRows), D * static_cast<int64_t>(sizeof(S)));
     V acc[M * KR];
     for (int i = 0; i < M * KR; ++i) acc[i] = V{};
     for (int64_t d = 0; d < dv; d += W) {
@@ -148,6 +161,7 @@ void direct_pv(int64_t c0, int64_t c1, int64_t Dv, const A* p, int64_t ldp, cons
       for (int u = 0; u < CV; ++u) acc[r][u] = u < cv ? vload<V>(o + r * ldo + e0 + u * W) : V{};
     if (cv == CV) {
       for (int64_t c = c0; c < c1; ++c) {
+        if (e0 == 0 && c + kPrefetchRows < c1) prefetch_row(v(c + kPrefetchRows), Dv * static_cast<int64_t>(sizeof(S)));
         const S* vr = v(c) + e0;
         V vv[CV];
         for (int u = 0; u < CV; ++u) vv[u] = load_as<A>(vr + u * W);

@@ -18,7 +18,9 @@ Rows<S> kv_rows(const AttentionKernelParams& p, const void* data, const ElementS
                 int64_t b, int64_t hk) {
   const S* base = static_cast<const S*>(data) + hk * st.head;
   if (!p.pages.on()) return strided_rows(base + b * st.batch, st.row);
-  return Rows<S>{base, st.row, p.pages.block_table + b * p.pages.table_stride, p.pages.block_size, block_stride, 0};
+  const int64_t bs = p.pages.block_size;
+  const int shift = (bs & (bs - 1)) == 0 ? __builtin_ctzll(static_cast<unsigned long long>(bs)) : -1;
+  return Rows<S>{base, st.row, p.pages.block_table + b * p.pages.table_stride, bs, block_stride, 0, shift};
 }
 
 // ---------------------------------------------------------------------------

@@ -52,10 +52,12 @@ struct Rows {
   int64_t rs;
   const int32_t* table = nullptr;  // paged: the entry's block table; nullptr = strided
   int64_t block = 1, block_stride = 0, first = 0;
+  int shift = -1;  // log2(block) when block is a power of two (a shift, not a division, per row)
 
   DIMATTN_INLINE const S* operator()(int64_t r) const {
     if (table == nullptr) return base + r * rs;
     const int64_t j = first + r;
+    if (shift >= 0) return base + table[j >> shift] * block_stride + (j & (block - 1)) * rs;
     return base + table[j / block] * block_stride + (j % block) * rs;
   }
   Rows from(int64_t j0) const {
