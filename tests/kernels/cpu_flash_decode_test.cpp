@@ -22,11 +22,15 @@ TEST(CpuFlashDecode, QueryHeadsOfAKvHeadShareItsTiles) {
   // 1 to 16 query rows (the decode path's range), GQA and multi-query,
   // causal with each entry's own offset, kv lengths, dropout; forward and
   // backward (training with short queries).
+  // Both kv layouts: a head's rows apart ([B, H, T, D]: a block per kv
+  // head), and heads interleaved in each row ([B, T, H, D]: a task per
+  // chunk over every kv head, tile by tile).
   int ran = 0;
   for (ElementType t : kAllTypes)
     for (int64_t tq : {1, 3, 16})
       for (int64_t hkv : {2, 1}) {
         Case c = base("decode Tq=" + std::to_string(tq) + " Hkv=" + std::to_string(hkv), t);
+        c.layout = tq == 3 ? Layout::contiguous : Layout::bthd;
         c.B = 2, c.H = 8, c.Hkv = hkv, c.Tq = tq, c.Tk = 300, c.D = c.Dv = 32, c.causal = true;
         c.offsets = {300 - tq, 120};
         c.kv_lens = {300, 140};
@@ -51,9 +55,11 @@ TEST(CpuFlashDecode, SplitCacheMergesToTheUnsplitResult) {
       check_case(c, false);
       c.name += " short", c.kv_lens = {2500};
       check_case(c, false);
-      ran += 2;
+      c.name += " interleaved heads", c.Hkv = 2, c.layout = Layout::bthd, c.p = 0.1;
+      check_case(c, false);
+      ran += 3;
     }
-  EXPECT_EQ(ran, 16);
+  EXPECT_EQ(ran, 24);
 }
 
 TEST(CpuFlashDecode, ChunkingDependsOnTheShapeOnly) {

@@ -142,7 +142,8 @@ struct BlockRows {
 template <class A>
 struct ChunkState {
   A *m, *l, *o;
-  bool sink;  // whether this chunk's state includes the sink logit (the first chunk's does)
+  bool sink;    // whether this chunk's state includes the sink logit (the first chunk's does)
+  bool resume;  // the rows continue from this state (a chunk computed tile by tile) instead of starting afresh
 };
 
 // Blocks rows of br over kv positions [c0, c1) (c0 a multiple of bk):
@@ -213,10 +214,18 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
   const bool sink = p.score.sinks.on() && (!state || state->sink);
   for (int64_t g = 0; g < br.heads; ++g) {
     const BlockHead<A>& hd = heads[g];
+    if (state && state->resume) {  // where the chunk's earlier tiles left the rows
+      for (int64_t i = r0; i < hd.rv; ++i) {
+        const int64_t slot = g * (r1 - r0) + i - r0, r = hd.row0 + i - r0;
+        w.m[r] = state->m[slot], w.l[r] = state->l[slot];
+        std::copy(state->o + slot * dvp, state->o + (slot + 1) * dvp, w.o + r * dvp);
+      }
+      continue;
+    }
     fill(w.m + hd.row0, hd.rv - r0, sink ? sink_log2_of<A>(p.score, b, hd.h) : -kInf);
     fill(w.l + hd.row0, hd.rv - r0, sink ? A(1) : A(0));
+    fill(w.o + hd.row0 * dvp, (hd.rv - r0) * dvp, A(0));
   }
-  fill(w.o, m * dvp, A(0));
 
   const int64_t kv_end = std::min(kv_hi, c1);
 
@@ -391,7 +400,21 @@ void forward_decode(const AttentionKernelParams& p, const ParallelFor& parallel_
     const int64_t b = t / (p.kv_heads * nhb), hk = t / nhb % p.kv_heads, g0 = t % nhb * hb;
     return BlockRows{b, hk * G + g0, std::min(hb, G - g0), 0, Tq};
   };
-  if (chunks == 1) {
+  // Kv heads interleaved within each position's row (a [batch, positions,
+  // kv heads, D] cache, or pools of that layout): a block per kv head reads
+  // 1/Hkv of every row, strides that leave memory idle. Then one task takes
+  // every kv head of its chunk, tile by tile: it prefetches the next tile's
+  // whole rows towards L2 and runs each head's block over the tile,
+  // resuming the rows' states.
+  // Pools of small heads-outer blocks ([blocks, kv heads, block_size, D])
+  // interleave the heads block by block: the same, a tile's blocks whole.
+  const bool heads_in_rows = p.k_strides.head < p.k_strides.row && p.v_strides.head < p.v_strides.row;
+  const bool heads_in_blocks =
+      p.pages.on() && p.k_strides.head >= p.pages.block_size * p.k_strides.row &&
+      p.v_strides.head >= p.pages.block_size * p.v_strides.row &&
+      std::max(p.pages.k_block_stride, p.pages.v_block_stride) * static_cast<int64_t>(sizeof(S)) <= (int64_t{256} << 10);
+  const bool interleaved = p.kv_heads > 1 && (heads_in_rows || heads_in_blocks);
+  if (chunks == 1 && !interleaved) {
     parallel_for(0, blocks, [&](int64_t t0, int64_t t1) {
       ForwardScratch<S, A> w(p, bq, bk, false);
       for (int64_t t = t0; t < t1; ++t) forward_block<S, A>(p, drop, tiles, block(t), 0, p.seqlen_k, w, nullptr, nullptr);
@@ -403,17 +426,61 @@ void forward_decode(const AttentionKernelParams& p, const ParallelFor& parallel_
   std::vector<A> states(static_cast<size_t>(blocks * chunks * per_chunk));
   auto state_of = [&](int64_t t, int64_t c) {
     A* base = states.data() + (t * chunks + c) * per_chunk;
-    return ChunkState<A>{base, base + slots, base + 2 * slots, c == 0};
+    return ChunkState<A>{base, base + slots, base + 2 * slots, c == 0, false};
   };
-  parallel_for(0, blocks * chunks, [&](int64_t t0, int64_t t1) {
-    ForwardScratch<S, A> w(p, bq, bk, false);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t c = t % chunks;
-      const ChunkState<A> st = state_of(t / chunks, c);
-      forward_block<S, A>(p, drop, tiles, block(t / chunks), c * chunk_len,
-                          std::min(p.seqlen_k, (c + 1) * chunk_len), w, nullptr, &st);
-    }
-  });
+  if (interleaved) {
+    const int64_t per_entry = nhb * chunks;  // tasks of a batch entry: head groups x chunks
+    // The rows [j0, j0 + n) of entry b, every kv head, towards L2.
+    auto prefetch_tile = [&](int64_t b, int64_t j0, int64_t n) {
+      const Rows<S> k = kv_rows<S>(p, p.k, p.k_strides, p.pages.k_block_stride, b, 0).from(j0);
+      const Rows<S> v = kv_rows<S>(p, p.v, p.v_strides, p.pages.v_block_stride, b, 0).from(j0);
+      auto towards_l2 = [](const S* from, int64_t elements) {
+        for (int64_t l = 0; l < elements * static_cast<int64_t>(sizeof(S)); l += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(from) + l, 0, 2);
+      };
+      if (heads_in_rows) {  // each row, every head
+        for (int64_t r = 0; r < n; ++r) {
+          towards_l2(k(r), (p.kv_heads - 1) * p.k_strides.head + p.head_dim);
+          towards_l2(v(r), (p.kv_heads - 1) * p.v_strides.head + p.head_dim_v);
+        }
+        return;
+      }
+      for (int64_t r = 0, bs = p.pages.block_size; r < n;) {  // each block from the tile's first row in it, every head
+        const int64_t in = (j0 + r) % bs;
+        towards_l2(k(r), p.pages.k_block_stride - in * p.k_strides.row);
+        towards_l2(v(r), p.pages.v_block_stride - in * p.v_strides.row);
+        r += bs - in;
+      }
+    };
+    parallel_for(0, p.batch * per_entry, [&](int64_t t0, int64_t t1) {
+      ForwardScratch<S, A> w(p, bq, bk, false);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t b = t / per_entry, g = t / chunks % nhb, c = t % chunks;
+        const int64_t c0 = c * chunk_len, c1 = std::min(p.seqlen_k, (c + 1) * chunk_len);
+        const int64_t len = p.kv_lengths ? std::min(c1, p.kv_lengths[b]) : c1;
+        if (c0 < len) prefetch_tile(b, c0, std::min(bk, len - c0));
+        for (int64_t j0 = c0; j0 < c1; j0 += bk) {
+          if (j0 + bk < len) prefetch_tile(b, j0 + bk, std::min(bk, len - j0 - bk));
+          for (int64_t hk = 0; hk < p.kv_heads; ++hk) {
+            const int64_t blk = (b * p.kv_heads + hk) * nhb + g;
+            ChunkState<A> st = state_of(blk, c);
+            st.resume = j0 > c0;
+            forward_block<S, A>(p, drop, tiles, block(blk), j0, std::min(c1, j0 + bk), w, nullptr, &st);
+          }
+        }
+      }
+    });
+  } else {
+    parallel_for(0, blocks * chunks, [&](int64_t t0, int64_t t1) {
+      ForwardScratch<S, A> w(p, bq, bk, false);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t c = t % chunks;
+        const ChunkState<A> st = state_of(t / chunks, c);
+        forward_block<S, A>(p, drop, tiles, block(t / chunks), c * chunk_len,
+                            std::min(p.seqlen_k, (c + 1) * chunk_len), w, nullptr, &st);
+      }
+    });
+  }
   // Merge: M = max_c m_c, l = sum_c l_c 2^(m_c - M), o = sum_c o_c 2^(m_c - M).
   parallel_for(0, blocks, [&](int64_t t0, int64_t t1) {
     std::vector<A> o(static_cast<size_t>(dvp));
