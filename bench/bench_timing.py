@@ -11,13 +11,18 @@ import time
 def cpu_info():
     """The CPU's model name and the vector flags the kernels' paths depend on (avx2, fma, avx512*,
     amx*), space-separated: what every figure names."""
-    model, flags = platform.processor() or "?", set()
+    model, flags, family = platform.processor() or "?", set(), {}
     with open("/proc/cpuinfo") as f:
         for line in f:
             if line.startswith("model name") and model in ("?", "x86_64", ""):
                 model = line.split(":", 1)[1].strip()
+            for key in ("cpu family", "model"):  # the name alone ("AMD EPYC") does not say which generation
+                if line.split(":", 1)[0].strip() == key and key not in family:
+                    family[key] = line.split(":", 1)[1].strip()
             if line.startswith("flags"):
                 flags |= set(line.split(":", 1)[1].split())
+    if family:
+        model += f" (family {family.get('cpu family', '?')} model {family.get('model', '?')})"
     shown = sorted(x for x in flags if re.fullmatch(r"avx2|fma|avx512[a-z_0-9]*|amx[a-z_0-9]*", x))
     return model, " ".join(shown)
 

@@ -158,7 +158,7 @@ def svg(rows, path, bandwidth):
         pts = sorted(pts)
         out.append('<polyline fill="none" stroke="%s" stroke-width="2" points="%s"/>' %
                    (c, " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)))
-        out.append(f'<text x="{W - 145}" y="{T + 16 * i + 30}" fill="{c}">{name}</text>')
+        out.append(f'<text x="{W - 145}" y="{py(bandwidth) + 24 + 16 * i}" fill="{c}">{name}</text>')
     out.append("</svg>")
     with open(path, "w") as f:
         f.write("\n".join(out) + "\n")
