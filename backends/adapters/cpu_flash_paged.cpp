@@ -110,6 +110,17 @@ Tensor cpu_flash_paged(Backend& be, const PagedAttentionCall& c, const kernels::
   p.scale = c.scale;
   if (c.window) p.bounds = {c.window->left.value_or(-1), c.window->right.value_or(-1)};
   if (c.softcap) p.score.softcap = *c.softcap;
+  // ALiBi slopes and sinks as [B][H] values (h = kv head * G + group).
+  const Dims bh = join({c.batch, kv_heads_groups});
+  std::vector<double> slopes, sinks;
+  if (c.alibi_slopes) {
+    slopes = host_values(*c.alibi_slopes, bh);
+    p.score.alibi = {slopes.data(), Hkv * G, 1};
+  }
+  if (c.sinks) {
+    sinks = host_values(*c.sinks, bh);
+    p.score.sinks = {sinks.data(), Hkv * G, 1};
+  }
   for (int64_t b = 0; b < B; ++b)
     DIMATTN_CHECK(lengths[b] <= p.seqlen_k, kOp, "internal error: lengths exceed seqlen_k");
   try {

@@ -125,11 +125,23 @@ Tensor kv_cache_attention(const Tensor& query, const PagedKvCache& cache, const 
     return step ? squeeze(t, q_spatial) : t;
   };
 
+  // The variants the kernel takes here: window, softcap, ALiBi and sinks
+  // (per head: over the batch, kv-head and group dims; no gradient).
   AttentionVariants rest = o.variants;
-  rest.window.reset();
-  rest.softcap.reset();
+  std::optional<Tensor> sinks = o.variants.sinks;
+  if (o.variants.sink_off_by_one) sinks = full({}, 0.0, detail::options_like(q, DType::float64));
+  const Dims heads = detail::union_dims(detail::union_dims(r.batch, r.kv_heads), r.groups);
+  auto per_head = [&](const std::optional<Tensor>& t) {
+    if (!t) return true;
+    for (const Dim& d : t->dims())
+      if (!contains(heads, d)) return false;
+    return !t->requires_grad();
+  };
+  const bool takes_variants = per_head(rest.alibi_slopes) && per_head(sinks);
+  rest.window.reset(), rest.softcap.reset(), rest.alibi_slopes.reset(), rest.sinks.reset();
+  rest.sink_off_by_one = false;
   const KernelEntry* kernel = paged_kernel(q);
-  if (kernel && !rest.any() && !q.requires_grad() && !TraceScope::capturing()) {
+  if (kernel && takes_variants && !rest.any() && !q.requires_grad() && !TraceScope::capturing()) {
     const Tensor lengths = cast(o.lengths, DType::int64);
     std::optional<Tensor> qlen_t;
     if (q_spatial.is_dynamic()) qlen_t = cast(q_spatial.lengths(), DType::int64);
@@ -138,7 +150,8 @@ Tensor kv_cache_attention(const Tensor& query, const PagedKvCache& cache, const 
                                   .batch = r.batch, .kv_heads = r.kv_heads, .groups = r.groups,
                                   .query_spatial = q_spatial, .key_dim = o.key_dim, .value_feature = r.value_feature,
                                   .block = cache.block, .slot = cache.slot, .table = cache.table, .scale = scale,
-                                  .causal = o.causal, .window = o.variants.window, .softcap = o.variants.softcap};
+                                  .causal = o.causal, .window = o.variants.window, .softcap = o.variants.softcap,
+                                  .alibi_slopes = o.variants.alibi_slopes, .sinks = sinks};
     const Tensor out = restore(kernel->paged(q.backend(), call));
     if (TraceScope::active())
       TraceScope::record({kernel->name, out, std::nullopt, std::nullopt, q.shape(), cache.keys.shape(),

@@ -3,13 +3,16 @@
 //
 //   dimattn::kv_cache_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens,
 //       Tensor? block_table, Tensor? seqlens_q, bool causal, float scale, int window_left,
-//       float softcap, bool heads_outer, str force) -> Tensor
+//       float softcap, Tensor? alibi_slopes, Tensor? sinks, bool heads_outer, str force)
+//       -> (Tensor out, str kernel)
 //
 // q [B, Tq, H, D] (H a multiple of the cache's kv heads), seqlens_q [B] each
 // sequence's new positions (absent: Tq each). Without block_table the cache
 // is [B, S, Hkv, D]: one block of S positions per sequence, read in place
 // the same way. With it, the pools are [blocks, block_size, Hkv, D] or
-// (heads_outer) [blocks, Hkv, block_size, D]. Returns [B, Tq, H, Dv]. The
+// (heads_outer) [blocks, Hkv, block_size, D]; alibi_slopes and sinks [H] or
+// [B, H] (float64). Returns [B, Tq, H, Dv] and the kernel that ran (the
+// in-place one, or the kernel dot_attention chose for the gathered pages). The
 // names become Dims here and the frontend's kv_cache_attention runs on the
 // torch backend over the same memory.
 #include <torch/library.h>
@@ -19,14 +22,16 @@
 #include "dimattn/forcing.h"
 #include "dimattn/kv_cache.h"
 #include "dimattn/torch_interop.h"
+#include "dimattn/trace.h"
 
 namespace dimattn::python {
 namespace {
 
-at::Tensor kv_cache_attention_op(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+std::tuple<at::Tensor, std::string> kv_cache_attention_op(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& block_table,
                                  const std::optional<at::Tensor>& seqlens_q, bool causal, double scale,
-                                 int64_t window_left, double softcap, bool heads_outer, const std::string& force) {
+                                 int64_t window_left, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                                 const std::optional<at::Tensor>& sinks, bool heads_outer, const std::string& force) {
   constexpr const char* op = "[kv_cache_attention] ";
   TORCH_CHECK(q.dim() == 4, op, "q must be [batch, new positions, heads, head_dim], got ", q.sizes());
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, op, "k_cache and v_cache must be 4-d, got ", k_cache.sizes(),
@@ -58,7 +63,18 @@ at::Tensor kv_cache_attention_op(const at::Tensor& q, const at::Tensor& k_cache,
                             .scale = scale};
   if (window_left >= 0) o.variants.window = AttentionWindow{.left = window_left};
   if (softcap > 0) o.variants.softcap = softcap;
+  // [H] or [B, H] per-head values over {(batch,) kv_heads, group}.
+  auto per_head = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK((t.dim() == 1 && t.size(0) == H) || (t.dim() == 2 && t.size(0) == B && t.size(1) == H), op, name,
+                " must be [heads] or [batch, heads] = [", H, "] or [", B, ", ", H, "], got ", t.sizes());
+    const at::Tensor d = t.to(at::kDouble);
+    return t.dim() == 1 ? from_aten(d.view({Hkv, H / Hkv}), {kv_heads, group})
+                        : from_aten(d.view({B, Hkv, H / Hkv}), {batch, kv_heads, group});
+  };
+  if (alibi_slopes) o.variants.alibi_slopes = per_head(*alibi_slopes, "alibi_slopes");
+  if (sinks) o.variants.sinks = per_head(*sinks, "sinks");
   const ForceKernels forced(force);
+  const TraceScope trace(false);
   const Tensor out = kv_cache_attention(query, cache, o);
   // {batch, new, kv_heads, group, head_dim_v} -> [B, Tq, H, Dv]
   const at::Tensor& raw = to_aten(out);
@@ -66,7 +82,8 @@ at::Tensor kv_cache_attention_op(const at::Tensor& q, const at::Tensor& k_cache,
   for (const Dim& d : {batch, *q_spatial, kv_heads, group, vfeat})
     for (size_t i = 0; i < out.dims().size(); ++i)
       if (out.dims()[i] == d) perm.push_back(static_cast<int64_t>(i));
-  return raw.permute(perm).reshape({B, Tq, H, v_cache.size(3)});
+  return {raw.permute(perm).reshape({B, Tq, H, v_cache.size(3)}),
+          trace.records().empty() ? std::string() : trace.records().back().kernel};
 }
 
 }  // namespace
@@ -75,8 +92,8 @@ at::Tensor kv_cache_attention_op(const at::Tensor& q, const at::Tensor& k_cache,
 TORCH_LIBRARY_FRAGMENT(dimattn, m) {
   m.def(
       "kv_cache_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, "
-      "Tensor? seqlens_q, bool causal, float scale, int window_left, float softcap, bool heads_outer, str force) "
-      "-> Tensor");
+      "Tensor? seqlens_q, bool causal, float scale, int window_left, float softcap, Tensor? alibi_slopes, "
+      "Tensor? sinks, bool heads_outer, str force) -> (Tensor, str)");
 }
 TORCH_LIBRARY_IMPL(dimattn, CompositeImplicitAutograd, m) {
   m.impl("kv_cache_attention", &dimattn::python::kv_cache_attention_op);

@@ -22,6 +22,7 @@ def kv_cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        block_table: Optional[torch.Tensor] = None, cu_seqlens_q: Optional[torch.Tensor] = None, *,
                        causal: bool = True, softmax_scale: Optional[float] = None,
                        window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                       alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
                        kv_layout: str = "NHD") -> torch.Tensor:
     """Attention of new query positions over a KV cache, read in place
     (FlashAttention's ``flash_attn_with_kvcache`` without the append; append
@@ -46,6 +47,10 @@ def kv_cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         window_size: ``(left, right)``; ``left >= 0`` limits each row to the ``left``
             positions before its diagonal (``right`` must be -1 or 0 with causal).
         softcap: scores become ``softcap * tanh(score / softcap)`` when > 0.
+        alibi_slopes: ``[heads]`` or ``[batch, heads]``: scores lose ``slope * |i' - j|``,
+            ``i'`` the row's position in its sequence (FlashAttention's convention).
+        sinks: ``[heads]`` or ``[batch, heads]`` logits joining each row's softmax
+            denominator (GPT-OSS's ``s_aux``); with a gradient, the gathered path runs.
 
     Returns:
         ``[batch, new, heads, Dv]`` (``[tokens, heads, Dv]`` with ``cu_seqlens_q``);
@@ -55,6 +60,13 @@ def kv_cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     16 new positions); elsewhere, or when ``q`` needs a gradient, the pages are
     gathered and dot_attention runs on them.
     """
+    return _run(q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, causal, softmax_scale, window_size,
+                softcap, alibi_slopes, sinks, kv_layout)[0]
+
+
+def _run(q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, causal, softmax_scale, window_size, softcap,
+         alibi_slopes, sinks, kv_layout):
+    """kv_cache_attention's output and the kernel that ran."""
     op = "[kv_cache_attention]"
     if kv_layout not in ("NHD", "HND"):
         raise Error(f"{op} kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
@@ -75,14 +87,14 @@ def kv_cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     allowed = forced()
     try:
-        out = ops.kv_cache_attention(q, k_cache, v_cache, cache_seqlens, block_table, seqlens_q, causal, scale,
-                                     window_size[0], softcap, kv_layout == "HND",
-                                     ",".join(allowed) if allowed else "auto")
+        out, kernel = ops.kv_cache_attention(q, k_cache, v_cache, cache_seqlens, block_table, seqlens_q, causal,
+                                             scale, window_size[0], softcap, alibi_slopes, sinks, kv_layout == "HND",
+                                             ",".join(allowed) if allowed else "auto")
     except RuntimeError as err:
         raise_as_error(err)
     if packed:
-        return out.reshape(-1, *out.shape[2:])[rows]
-    return out
+        out = out.reshape(-1, *out.shape[2:])[rows]
+    return out, kernel
 
 
 def _pad(q: torch.Tensor, cu: torch.Tensor, lens: torch.Tensor):

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import dimattn as da
+from dimattn._kv_cache import _run
 
 
-def sdpa_per_sequence(q, ks, vs, lens, qlens, scale=None, window=-1, softcap=0.0):
+def sdpa_per_sequence(q, ks, vs, lens, qlens, scale=None, window=-1, softcap=0.0, slopes=None, sinks=None):
     """q [B, Tq, H, D], ks/vs [B, S, Hkv, D] plain; the new rows are each sequence's last."""
     B, Tq, H, D = q.shape
     out = torch.zeros(B, Tq, H, vs.shape[-1], dtype=torch.float64)
@@ -29,7 +30,13 @@ def sdpa_per_sequence(q, ks, vs, lens, qlens, scale=None, window=-1, softcap=0.0
         i = torch.arange(n)[:, None] + L - n
         j = torch.arange(L)[None, :]
         allowed = (j <= i) & ((j >= i - window) if window >= 0 else True)
+        if slopes is not None:
+            s = s - slopes.double()[:, None, None] * (i - j).abs()
         s = s.masked_fill(~allowed, float("-inf"))
+        if sinks is not None:  # one more logit in the denominator, no value
+            s = torch.cat([s, sinks.double()[:, None, None].expand(-1, n, 1)], -1)
+            out[b, :n] = (torch.softmax(s, -1)[..., :-1] @ v).transpose(0, 1)
+            continue
         out[b, :n] = (torch.softmax(s, -1) @ v).transpose(0, 1)
     return out
 
@@ -125,6 +132,17 @@ def test_window_softcap_and_scale():
     got = da.kv_cache_attention(q, kp, vp, lens, table, window_size=(5, 0), softcap=2.0, softmax_scale=0.3)
     want = sdpa_per_sequence(q, ks, vs, lens, torch.full((4,), 2), scale=0.3, window=5, softcap=2.0)
     assert (got.double() - want).abs().max() < 2e-5
+
+
+def test_alibi_and_sinks_in_place():
+    q, ks, vs, lens = case(Tq=2, lens=(70, 9, 2, 33))
+    kp, vp, table = paged(ks, vs, lens, 16)
+    slopes = torch.linspace(0.02, 0.5, 8)
+    sinks = torch.linspace(-1.0, 2.0, 8)
+    got, kernel = _run(q, kp, vp, lens, table, None, True, None, (-1, -1), 0.0, slopes, sinks, "NHD")
+    want = sdpa_per_sequence(q, ks, vs, lens, torch.full((4,), 2), slopes=slopes, sinks=sinks)
+    assert (got.double() - want).abs().max() < 2e-5
+    assert kernel == "cpu_flash"  # the pools read in place
 
 
 def test_query_gradient_through_the_gathered_pages():

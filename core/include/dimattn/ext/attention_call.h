@@ -81,6 +81,9 @@ struct PagedAttentionCall {
   bool causal = true;
   std::optional<AttentionWindow> window;
   std::optional<double> softcap;
+  // Per-head values over a subset of batch ∪ kv_heads ∪ groups (ALiBi's
+  // distance is measured from each row's diagonal i + lengths[e] - query length).
+  std::optional<Tensor> alibi_slopes, sinks;
 };
 
 // The roles of a call as AttentionParams, with the given layout class (the

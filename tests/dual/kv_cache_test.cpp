@@ -2,7 +2,8 @@
 // backend: the cache is written with kv_cache_append from plain keys and
 // values through a shuffled block table, and both its paths (cpu_flash
 // reading the pools in place, and the pages gathered for the reference path)
-// must equal dot_attention over the plain keys and values.
+// must equal dot_attention over the plain keys and values. Part of the dual
+// harness: ctest runs it once per cpu_flash instruction set.
 #include <algorithm>
 #include <numeric>
 #include <random>
@@ -32,11 +33,21 @@ struct CacheCase {
   AttentionVariants variants;
 };
 
+struct Names {
+  Dim batch{"batch", 4}, kv_heads{"kv_heads", 2}, group{"group", 3}, feat{"feat", 16}, vfeat{"vfeat", 16};
+};
+const Names& names() {
+  static const Names n;
+  return n;
+}
+
 struct Built {
   // Plain keys/values over {batch, kv, kv_heads, feat}; optional only to be filled in by build.
   std::optional<Tensor> query, keys, values, lengths;
   std::optional<PagedKvCache> cache;
-  Dim batch{"batch", 4}, kv_heads{"kv_heads", 2}, group{"group", 3}, feat{"feat", 16}, vfeat{"vfeat", 16};
+  // One set of Dims for every case, so that per-head variants made for one fit all.
+  Dim batch = names().batch, kv_heads = names().kv_heads, group = names().group, feat = names().feat,
+      vfeat = names().vfeat;
   std::optional<Dim> q_spatial;
   Dim kv{"kv", 1};
 };
@@ -149,7 +160,17 @@ TEST_P(KvCache, RaggedQueriesHalfPrecisionAndVariants) {
   window.variants.window = AttentionWindow{.left = 5};
   window.variants.softcap = 2.0;
   check(window, GetParam(), ran);
-  EXPECT_EQ(ran, 4);
+  CacheCase alibi_sinks{.lengths = {37, 9, 2, 16}, .Tq = 2};
+  const Dims heads{names().kv_heads, names().group};
+  alibi_sinks.variants.alibi_slopes = from_host(heads, {0.5, 0.25, 0.125, 0.0625, 0.03, 0.01},
+                                                {.dtype = DType::float64, .backend = GetParam()});
+  alibi_sinks.variants.sinks =
+      from_host(heads, {0.3, -1.0, 2.0, 0.0, 1.5, -0.5}, {.dtype = DType::float64, .backend = GetParam()});
+  check(alibi_sinks, GetParam(), ran);
+  CacheCase off_by_one{.lengths = {37, 9, 0, 16}, .Tq = 1};
+  off_by_one.variants.sink_off_by_one = true;
+  check(off_by_one, GetParam(), ran);
+  EXPECT_EQ(ran, 6);
 }
 
 TEST_P(KvCache, BadTablesAndPoolsAreErrors) {
