@@ -63,6 +63,26 @@ def dot_attention(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, 
     ``context_parallel=dimattn.ContextParallel(group, sharding, strategy)``: the
     sequence along ``axis`` (self-attention) is split across the group's ranks; each
     passes its shard and gets its shard of the output (docs/distributed.md).
+
+    Args:
+        query, keys, values: named tensors (dimattn.Tensor) as above.
+        key_dim: the feature dim reduced in q·k.
+        axis: the kv dim attended over; dynamic: its lengths mask the padding.
+        att_dropout: dropout probability on the weights (in training only).
+        att_dropout_broadcast: one dropout mask over ``axis``, shared by the other dims.
+        causal_query_spatial_dim: set for causal attention: the query's spatial dim.
+        causal_offset: the history before the query's first position (int, or an
+            integer tensor over batch dims); default 0.
+        scale: the scores' factor; default 1/sqrt(size(key_dim)).
+        train: the train flag for this call; default :func:`train_flag`.
+        query_position_dim: the query's positional dim for windows and ALiBi
+            without causal attention.
+        variants: a :class:`Variants` (fields may also be given as keywords).
+        context_parallel: a :class:`ContextParallel` for a sequence sharded over ranks.
+
+    Returns:
+        A dimattn.Tensor over the values' dims without ``axis`` plus the query's
+        own dims; a query row with no valid kv position gives 0.
     """
     st = state
     if (variants is None and not variant_fields and context_parallel is None and not st.traces
@@ -164,7 +184,15 @@ def explain(query: Tensor, keys: Tensor, values: Tensor, *, key_dim: Dim, axis: 
             variants: Optional[_variants.Variants] = None, **variant_fields) -> Decision:
     """Which kernel :func:`dot_attention` would run for these arguments, and why each
     candidate before it was rejected. Runs nothing; raises like dot_attention for bad
-    input or a forced kernel that cannot run."""
+    input or a forced kernel that cannot run.
+
+    Args:
+        query, keys, values, key_dim, axis, ...: as :func:`dot_attention`.
+
+    Returns:
+        A :class:`Decision`: ``kernel``, the ``rejected`` candidates with their
+        reasons, and ``text`` (what ``dimattn explain`` prints).
+    """
     for name, x in (("query", query), ("keys", keys), ("values", values)):
         _call.check_operand(name, x)
     var = _variants.merged(variants, variant_fields)

@@ -25,12 +25,20 @@ _KERNEL_NAMES = tuple(ops.kernel_names())
 
 
 def kernel_names() -> List[str]:
-    """Every kernel name of the built library: "reference" and its backends' kernels."""
+    """Every kernel name of the built library.
+
+    Returns:
+        "reference" and the kernels of its backends' tables.
+    """
     return list(_KERNEL_NAMES)
 
 
 def train_flag() -> bool:
-    """Whether dropout acts in calls that pass no ``train=`` (default False)."""
+    """Whether dropout acts in calls that pass no ``train=``.
+
+    Returns:
+        The innermost :class:`train_scope`'s flag on this thread, else False.
+    """
     return state.train
 
 

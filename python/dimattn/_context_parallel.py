@@ -47,7 +47,17 @@ class ContextParallel:
 
 def shard_ranges(total: int, world: int, rank: int, sharding: str) -> List[Tuple[int, int]]:
     """The [start, end) position ranges a rank holds of a sequence of ``total``
-    positions, in the order its shard lays them out."""
+    positions, in the order its shard lays them out.
+
+    Args:
+        total: the sequence's positions.
+        world: the ranks of the group.
+        rank: this rank.
+        sharding: as :class:`ContextParallel`'s (``"contiguous"`` or ``"load_balanced"``).
+
+    Returns:
+        The ranges, each ``(start, end)``.
+    """
     if sharding == "load_balanced":
         if total % (2 * world):
             raise Error(f"{_OP} load_balanced sharding splits the sequence into 2 x {world} equal chunks, but its "
@@ -64,7 +74,17 @@ def shard(x: Tensor, dim: Dim, cp: ContextParallel, local_dim: Optional[Dim] = N
     each rank passes to dot_attention(..., context_parallel=cp). ``local_dim`` names
     the local axis: a static Dim of the shard's size (the same Dim for query, keys
     and values); a dynamic ``dim`` (whose lengths are the whole sequence's) may
-    name it itself."""
+    name it itself.
+
+    Args:
+        x: the full tensor.
+        dim: the sequence dim to shard.
+        cp: the call's :class:`ContextParallel`.
+        local_dim: the shard's dim (see above).
+
+    Returns:
+        This rank's shard, ``dim`` replaced by the local dim.
+    """
     if local_dim is None:
         if not dim.is_dynamic:
             raise Error(f"[shard] {dim!r} is static, so its shard needs a Dim of its own size: pass local_dim "

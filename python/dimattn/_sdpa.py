@@ -187,7 +187,11 @@ def sdpa_patched():
     scaled_dot_product_attention`` (and so ``nn.MultiheadAttention``, timm, Hugging Face's
     ``sdpa`` attention and any code that calls it) runs on
     :func:`scaled_dot_product_attention`; afterwards torch's function is back. Not
-    thread-scoped: the module attribute is replaced for the process."""
+    thread-scoped: the module attribute is replaced for the process.
+
+    Returns:
+        A context manager.
+    """
     functional = torch.nn.functional
     original = functional.scaled_dot_product_attention
     functional.scaled_dot_product_attention = scaled_dot_product_attention

@@ -29,7 +29,17 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """Attention over packed sequences given by cumulative lengths (FlashAttention's
     ``flash_attn_varlen_func`` convention): sequence b holds query tokens
     ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and keys/values ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``.
-    See :func:`packed_attention` for shapes and semantics."""
+    See :func:`packed_attention` for shapes and semantics.
+
+    Args:
+        query, key, value: ``[tokens, heads, D]``, ``[tokens_k, kv_heads, D]``, ``[tokens_k, kv_heads, Dv]``.
+        cu_seqlens_q, cu_seqlens_k: ``[sequences + 1]`` integer offsets, 0 first.
+        max_seqlen_q, max_seqlen_k: bounds of the sequences' lengths.
+        causal, dropout_p, scale: as :func:`packed_attention`.
+
+    Returns:
+        ``[tokens, heads, Dv]``.
+    """
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 1:
             raise Error(f"[varlen_attention] {name} must be a 1-d integer tensor of sequences + 1 offsets "
@@ -58,6 +68,15 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     with ``dropout_p > 0`` (RETURNN passes 0 outside training). ``scale`` defaults to
     ``1/sqrt(D)``. A sequence of length 0 gives no rows; a query sequence whose kv
     sequence is empty gives 0.
+
+    Args:
+        query, key, value: the packed tokens (shapes above).
+        starts_q, lens_q, starts_k, lens_k: ``[sequences]`` integers.
+        max_len_q, max_len_k: bounds of the lengths.
+        causal, dropout_p, scale: see above.
+
+    Returns:
+        ``[tokens_q, heads, Dv]``; gap tokens give 0.
     """
     return PackedCall(query, key, value, starts_q, lens_q, starts_k, lens_k, max_len_q, max_len_k, causal=causal,
                       dropout_p=dropout_p, scale=scale, op="packed_attention").run()

@@ -131,7 +131,14 @@ def standard_alibi_slopes(num_heads: int) -> List[float]:
     """ALiBi's slopes for ``num_heads`` heads (Press et al., and BLOOM): for n a power
     of two 2^(-8(k+1)/n), k = 0 .. n-1; otherwise, with p the largest power of two
     below n, the p slopes for p heads, then the first n - p of the slopes for 2p heads
-    that lie between those, 2^(-8(2j+1)/(2p))."""
+    that lie between those, 2^(-8(2j+1)/(2p)).
+
+    Args:
+        num_heads: a positive int.
+
+    Returns:
+        The ``num_heads`` slopes, head 0 first.
+    """
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
         raise Error(f"[standard_alibi_slopes] num_heads must be a positive int, got {num_heads!r}")
     p = 1 << (num_heads.bit_length() - 1)
@@ -164,7 +171,17 @@ def _buckets_per_direction(op: str, b: RelativePositionBuckets, bidirectional: b
 
 def relative_position_bucket(relative: int, buckets: RelativePositionBuckets, bidirectional: bool) -> int:
     """The bucket of a kv position ``relative`` positions after the query (negative:
-    before it), as the C++ ``relative_position_bucket`` (docs/api.md, "Modules")."""
+    before it), as the C++ ``relative_position_bucket`` (docs/api.md, "Modules").
+
+    Args:
+        relative: kv position minus query position.
+        buckets: the bucketing (:class:`RelativePositionBuckets`).
+        bidirectional: half the buckets per direction (T5's encoder), else only
+            positions before the query are told apart (its decoder).
+
+    Returns:
+        The bucket index in ``[0, buckets.num_buckets)``.
+    """
     n = _buckets_per_direction("relative_position_bucket", buckets, bidirectional)
     first, distance = ((n if relative > 0 else 0), abs(relative)) if bidirectional else (0, max(-relative, 0))
     exact = n // 2
@@ -595,7 +612,16 @@ def relative_positional_encoding(query_extent: int, kv_extent: int, feat: int, *
     """Transformer-XL's sinusoidal table ``[query_extent + kv_extent - 1, feat]``: row r
     encodes the relative position j - i = r - (query_extent - 1), its first half
     sin(pos / 10000^(2c / feat)), its second half the cosines (RETURNN's
-    ``rf.relative_positional_encoding``)."""
+    ``rf.relative_positional_encoding``).
+
+    Args:
+        query_extent, kv_extent: the positions of the query and of the keys.
+        feat: the features, even.
+        device, dtype: of the table (default: torch's default dtype).
+
+    Returns:
+        The table, ``[query_extent + kv_extent - 1, feat]``.
+    """
     if feat % 2:
         raise Error(f"[relative_positional_encoding] feat must be even (sines, then cosines), got {feat}")
     pos = torch.arange(-(query_extent - 1), kv_extent, device=device, dtype=torch.float64)

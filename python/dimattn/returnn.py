@@ -70,7 +70,11 @@ def enable(strict: bool = False) -> None:
     """Route ``rf.dot_attention`` on RETURNN's torch backend to dimattn (process-wide),
     packed operands (``rf.pack``) included. ``strict``: a call dimattn cannot take
     raises dimattn.Error instead of running RETURNN's implementation. Enabling again
-    only updates ``strict``."""
+    only updates ``strict``.
+
+    Args:
+        strict: see above.
+    """
     global _patch
     if _patch is None:
         _patch = _Patch(strict)
@@ -97,18 +101,31 @@ def disable() -> None:
 
 
 def is_enabled() -> bool:
+    """Whether routing is on.
+
+    Returns:
+        True between enable() and disable().
+    """
     return _patch is not None
 
 
 def is_strict() -> bool:
-    """Whether routing is on in strict mode."""
+    """Whether routing is on in strict mode.
+
+    Returns:
+        True when enabled with ``strict``.
+    """
     return _patch is not None and _patch.strict
 
 
 @contextlib.contextmanager
 def enabled(strict: bool = False):
     """``with dimattn.returnn.enabled():`` routes inside, and leaves the routing as it
-    was before (on or off, strict or not) afterwards."""
+    was before (on or off, strict or not) afterwards.
+
+    Args:
+        strict: as :func:`enable`'s.
+    """
     before = None if _patch is None else _patch.strict
     enable(strict)
     try:
@@ -137,7 +154,14 @@ def _mode(value, where: str) -> Optional[bool]:
 def enable_from_config(config=None) -> bool:
     """Enable as the RETURNN config's option ``dimattn_attention`` says (True, False or
     "strict"; default: the global config), unless the environment variable
-    DIMATTN_RETURNN (1, 0 or strict) overrides it. Returns whether routing is on."""
+    DIMATTN_RETURNN (1, 0 or strict) overrides it.
+
+    Args:
+        config: a RETURNN config; None: the global one.
+
+    Returns:
+        Whether routing is on.
+    """
     env = os.environ.get("DIMATTN_RETURNN")
     if env is not None:
         mode = _mode(env, "DIMATTN_RETURNN")
@@ -157,7 +181,11 @@ def startup_callback(*, config, **_kwargs) -> None:
     """RETURNN's ``startup_callback`` config option (called once at start, before the
     engine): ``from dimattn.returnn import startup_callback`` in a config enables
     routing as its ``dimattn_attention`` option says. A config with a startup callback
-    of its own calls :func:`enable_from_config` from it instead."""
+    of its own calls :func:`enable_from_config` from it instead.
+
+    Args:
+        config: the RETURNN config RETURNN passes (other arguments are ignored).
+    """
     enable_from_config(config)
 
 
@@ -172,7 +200,11 @@ def stats() -> dict:
     the kernels), ``fallback`` (ran RETURNN's implementation because dimattn cannot take
     the call) and ``reference`` (ran RETURNN's implementation because dimattn's
     selection chose its reference path: forced with DIMATTN_SDPA or dimattn.force, or no
-    fused kernel takes the call); ``reasons`` counts why for both."""
+    fused kernel takes the call); ``reasons`` counts why for both.
+
+    Returns:
+        ``{"routed": int, "fallback": int, "reference": int, "reasons": {...}, "kernels": {...}}``.
+    """
     return _counts.stats()
 
 

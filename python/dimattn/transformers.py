@@ -46,7 +46,12 @@ def register(name: str = NAME, *, track_kernels: bool = False) -> None:
     """Make ``attn_implementation=name`` (default "dimattn") run on dimattn, for every
     model of transformers: its attention function and its mask function (sdpa's).
     ``track_kernels``: count each routed call's kernel in ``stats()["kernels"]`` (it
-    traces every call, which costs a little; else they count as "dimattn")."""
+    traces every call, which costs a little; else they count as "dimattn").
+
+    Args:
+        name: the ``attn_implementation`` value to register.
+        track_kernels: see above.
+    """
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
     _tracking["kernels"] = bool(track_kernels)
@@ -54,7 +59,11 @@ def register(name: str = NAME, *, track_kernels: bool = False) -> None:
 
 def stats() -> dict:
     """Counts since reset_stats(): ``routed`` (ran on dimattn; ``kernels`` counts the
-    kernels) and ``fallback`` (ran transformers' sdpa; ``reasons`` counts why)."""
+    kernels) and ``fallback`` (ran transformers' sdpa; ``reasons`` counts why).
+
+    Returns:
+        ``{"routed": int, "fallback": int, "reasons": {reason: int}, "kernels": {kernel: int}}``.
+    """
     return _counts.stats()
 
 
