@@ -14,8 +14,10 @@ pass: ``scaling``, ``dropout`` (given in training), ``softcap`` (Gemma 2), ``s_a
 (GPT-OSS's sinks, learnable), grouped kv heads (never repeated), keys longer than the
 queries (a StaticCache's first pass, decoding over a cache), ``output_attentions`` (the
 weights of dimattn's reference path). A sliding window arrives inside the mask. A
-query row that may attend nothing gives 0, so padded rows stay finite. Paged caches
-(continuous batching) run transformers' ``sdpa``, counted with the reason. docs/python.md.
+query row that may attend nothing gives 0, so padded rows stay finite. Continuous
+batching (``generate_batch``) refuses registered implementations in transformers 5.23;
+a paged cache that reaches the function anyway runs transformers' ``sdpa``, counted
+with the reason. docs/python.md.
 
 transformers is called through its public extension points only.
 """
