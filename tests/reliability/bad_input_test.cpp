@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "dimattn/attention.h"
+#include "dimattn/kv_cache.h"
 #include "dimattn/context_parallel.h"
 #include "dimattn/ext/backend.h"
 #include "dimattn/forcing.h"
@@ -87,6 +88,23 @@ struct Ex {
   AttentionOptions opts() const { return {.key_dim = feat, .axis = enc}; }
   Tensor lens(const std::vector<double>& l, DType dtype = DType::int64) const {
     return from_host({batch}, l, {.dtype = dtype, .backend = be});
+  }
+};
+
+// A paged cache for the kv_cache rows: pools of block[3] x slot[2] positions,
+// a one-step query over {batch, feat}, tables over {batch, table[2]}.
+struct KvFixture {
+  const Ex& e;
+  Dim block{"block", 3}, slot{"slot", 2}, table{"table", 2};
+  Tensor q;
+  explicit KvFixture(const Ex& ex) : e(ex), q(random_normal({ex.batch, ex.feat}, 1, ex.f32)) {}
+  PagedKvCache cache(const std::vector<double>& entries) const {
+    return {.keys = random_normal({block, slot, e.feat}, 2, e.f32),
+            .values = random_normal({block, slot, e.vfeat}, 3, e.f32),
+            .block = block,
+            .slot = slot,
+            .block_table = from_host({e.batch, table}, entries, {.dtype = DType::int32, .backend = e.be}),
+            .table = table};
   }
 };
 
@@ -497,6 +515,31 @@ const std::map<std::string, ErrorCase>& error_cases() {
           ForceKernels force("cpu_flash");
           TraceScope trace;
           dot_attention(e.q, e.k, e.v, e.opts());
+        }}},
+      // --- kv caches (dimattn/kv_cache.h): pools of 3 blocks of 2 positions, tables of 2 ---
+      {"kv_cache_block_out_of_range",
+       {[](const Ex& e) {
+          const KvFixture f(e);
+          kv_cache_attention(f.q, f.cache({0, 7, 1, 2}), {.key_dim = e.feat, .lengths = e.lens({4, 3})});
+        }}},
+      {"kv_cache_length_past_capacity",
+       {[](const Ex& e) {
+          const KvFixture f(e);
+          kv_cache_attention(f.q, f.cache({0, 1, 2, 0}), {.key_dim = e.feat, .lengths = e.lens({4, 9})});
+        }}},
+      {"kv_cache_pools_mismatch",
+       {[](const Ex& e) {
+          const KvFixture f(e);
+          PagedKvCache c = f.cache({0, 1, 2, 0});
+          c.values = random_normal({Dim("blocks2", 3), f.slot, e.vfeat}, 3, e.f32);
+          kv_cache_attention(f.q, c, {.key_dim = e.feat, .lengths = e.lens({4, 3})});
+        }}},
+      {"kv_cache_slot_out_of_range",
+       {[](const Ex& e) {
+          const KvFixture f(e);
+          const Dim tokens("tokens", 1);
+          kv_cache_append(f.cache({0, 1, 2, 0}), random_normal({tokens, e.feat}, 1, e.f32),
+                          random_normal({tokens, e.vfeat}, 2, e.f32), from_host({tokens}, {6}, e.i64));
         }}},
       {"unknown_backend",
        {[](const Ex& e) { random_normal({e.batch}, 1, {.backend = "jax"}); }}},
