@@ -210,16 +210,19 @@ void kv_cache_append(const PagedKvCache& c, const Tensor& keys, const Tensor& va
     std::vector<int64_t> strides(p->strides.begin() + 2, p->strides.end());
     auto* dst = static_cast<char*>(p->data);
     const auto* src = static_cast<const char*>(xv->data);
+    // Copied a run at a time: the pool's innermost dim when it is dense (the feature dim), else an element.
+    const int64_t run = !sizes.empty() && strides.back() == 1 ? sizes.back() : 1;
     for (size_t t = 0; t < slot_of.size(); ++t) {
       if (slot_of[t] < 0) continue;
       char* base = dst + (slot_of[t] / c.slot.extent() * p->strides[0] + slot_of[t] % c.slot.extent() * p->strides[1]) * esize;
-      for (int64_t i = 0; i < row; ++i) {
+      for (int64_t i = 0; i < row; i += run) {
         int64_t off = 0, rem = i;
         for (size_t a = sizes.size(); a-- > 0;) {
           off += rem % sizes[a] * strides[a];
           rem /= sizes[a];
         }
-        std::memcpy(base + off * esize, src + (static_cast<int64_t>(t) * row + i) * esize, static_cast<size_t>(esize));
+        std::memcpy(base + off * esize, src + (static_cast<int64_t>(t) * row + i) * esize,
+                    static_cast<size_t>(run * esize));
       }
     }
   };

@@ -9,13 +9,18 @@
 namespace dimattn::kernels {
 namespace {
 
-// The chunks forward_decode splits a case's kv positions into
-// (cpu_flash::decode_chunk_tiles; one block per batch entry and kv head when
-// a kv head's query heads fit one block).
+// The fewest chunks forward_decode splits a case's kv positions into on
+// any instruction set (cpu_flash::decode_chunk_tiles; its tiles depend on the
+// vector width: 8 float lanes for AVX2, 16 for AVX-512; one block per batch
+// entry and kv head when a kv head's query heads fit one block).
 int64_t decode_chunks(const Case& c) {
-  const int64_t bk = cpu_flash::fwd_block_k(c.D, 16), tiles = (c.Tk + bk - 1) / bk;
-  return (tiles + cpu_flash::decode_chunk_tiles(c.B * c.Hkv, tiles, bk) - 1) /
-         cpu_flash::decode_chunk_tiles(c.B * c.Hkv, tiles, bk);
+  int64_t fewest = INT64_MAX;
+  for (int lanes : {4, 8, 16}) {
+    const int64_t bk = cpu_flash::fwd_block_k(c.D, lanes), tiles = (c.Tk + bk - 1) / bk;
+    const int64_t per = cpu_flash::decode_chunk_tiles(c.B * c.Hkv, tiles, bk);
+    fewest = std::min(fewest, (tiles + per - 1) / per);
+  }
+  return fewest;
 }
 
 TEST(CpuFlashDecode, QueryHeadsOfAKvHeadShareItsTiles) {

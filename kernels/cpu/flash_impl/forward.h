@@ -435,8 +435,7 @@ void forward_decode(const AttentionKernelParams& p, const ParallelFor& parallel_
       const Rows<S> k = kv_rows<S>(p, p.k, p.k_strides, p.pages.k_block_stride, b, 0).from(j0);
       const Rows<S> v = kv_rows<S>(p, p.v, p.v_strides, p.pages.v_block_stride, b, 0).from(j0);
       auto towards_l2 = [](const S* from, int64_t elements) {
-        for (int64_t l = 0; l < elements * static_cast<int64_t>(sizeof(S)); l += 64)
-          __builtin_prefetch(reinterpret_cast<const char*>(from) + l, 0, 2);
+        prefetch_part(from, elements * static_cast<int64_t>(sizeof(S)), 0, 1);
       };
       if (heads_in_rows) {  // each row, every head
         for (int64_t r = 0; r < n; ++r) {
