@@ -80,6 +80,7 @@ Tensor cpu_flash_paged(Backend& be, const PagedAttentionCall& c, const kernels::
   Shape shape;
   for (const Dim& d : out_dims) shape.push_back(d.extent());
   const RawPtr out = be.full(shape, 0.0, c.query.dtype(), kCPU);
+  if (B == 0) return Tensor(out_dims, c.query.dtype(), c.query.device(), out, &be);  // no sequence: nothing to read
   const HostView o = host_memory(be)(out);
   const int64_t Dv = c.value_feature.extent();
 
@@ -108,7 +109,7 @@ Tensor cpu_flash_paged(Backend& be, const PagedAttentionCall& c, const kernels::
   p.causal = c.causal;
   p.causal_offset = offsets.data();
   p.scale = c.scale;
-  if (c.window) p.bounds = {c.window->left.value_or(-1), c.window->right.value_or(-1)};
+  p.bounds = row_bounds_of(c.window);
   if (c.softcap) p.score.softcap = *c.softcap;
   // ALiBi slopes and sinks as [B][H] values (h = kv head * G + group).
   const Dims bh = join({c.batch, kv_heads_groups});
@@ -121,8 +122,6 @@ Tensor cpu_flash_paged(Backend& be, const PagedAttentionCall& c, const kernels::
     sinks = host_values(*c.sinks, bh);
     p.score.sinks = {sinks.data(), Hkv * G, 1};
   }
-  for (int64_t b = 0; b < B; ++b)
-    DIMATTN_CHECK(lengths[b] <= p.seqlen_k, kOp, "internal error: lengths exceed seqlen_k");
   try {
     kernels::flash_attention_forward_cpu(p, pf);
   } catch (const std::invalid_argument& e) {

@@ -112,6 +112,10 @@ kernels::ElementStrides strides4(const HostView& v) {
   return {v.strides[0], v.strides[1], v.strides[2], v.sizes[3] > 1 ? v.strides[3] : 1};
 }
 
+kernels::RowBounds row_bounds_of(const std::optional<AttentionWindow>& w) {
+  return w ? kernels::RowBounds{w->left.value_or(-1), w->right.value_or(-1)} : kernels::RowBounds{};
+}
+
 kernels::ElementType kernel_element_type(DType d) {
   switch (d) {
     case DType::float32: return kernels::ElementType::float32;
@@ -219,7 +223,7 @@ void flash_params(FlashParams& pr, const AttentionCall& c, const FlashLayout& l,
   p.rng_offset = static_cast<uint32_t>(c.dropout_offset);
   p.dropout_q_position = c.dropout_q_position;
   p.dropout_kv_position = c.dropout_kv_position;
-  if (const std::optional<AttentionWindow>& w = c.variants.window) p.bounds = {w->left.value_or(-1), w->right.value_or(-1)};
+  p.bounds = row_bounds_of(c.variants.window);
   p.score.softcap = c.variants.softcap.value_or(0.0);
   const int64_t H = l.Hkv * l.G;
   auto per_head = [&](const Tensor& t, std::vector<double>& out) {

@@ -163,6 +163,8 @@ void set_forward_outputs(kernels::AttentionKernelParams& p, const HostView& out,
 void set_backward_tensors(kernels::AttentionKernelParams& p, const HostView& dout, const HostView& dq,
                           const HostView& dk, const HostView& dv);
 kernels::ElementType kernel_element_type(DType d);  // throws for non-floating dtypes
+// A window as the kernels' row bounds (-1: no bound on that side); none: unbounded.
+kernels::RowBounds row_bounds_of(const std::optional<AttentionWindow>& w);
 kernels::ElementStrides strides4(const HostView& v);  // pre: v is 4-d
 
 // out [B, H, Tq, Dv] as the call's output tensor (on the query's device).

@@ -176,3 +176,10 @@ def test_append_writes_in_place_and_bad_input_is_an_error():
         da.kv_cache_attention(q, kp, vp, torch.tensor([33]), table)
     with pytest.raises(da.Error, match="multiple of the cache's 2 kv heads"):
         da.kv_cache_attention(torch.randn(1, 1, 3, 8), kp, vp, torch.tensor([20]), table)
+
+
+def test_no_sequences_give_an_empty_result():
+    kp, vp = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
+    out = da.kv_cache_attention(torch.randn(0, 1, 4, 8), kp, vp, torch.zeros(0, dtype=torch.long),
+                                torch.zeros(0, 2, dtype=torch.int32))
+    assert out.shape == (0, 1, 4, 8)
