@@ -16,6 +16,7 @@
 #include "dimattn/forcing.h"
 #include "dimattn/registry.h"
 #include "dimattn/testing/json.h"
+#include "dimattn/testing/machine_peak.h"
 #include "dimattn/trace.h"
 #include "problem.h"
 
@@ -55,6 +56,7 @@ struct Settings {
   std::vector<DType> dtypes;
   std::vector<int64_t> seqs;
   int warmup = 2, repeats = 20;
+  int threads = 1;      // CPU threads the kernels run on (--threads, else every online CPU)
   double budget_s = 2;  // per timed row, once 3 runs are done
   testing::CaseVariants variants;  // the variant options, applied to every config that can take them
 };
@@ -77,6 +79,7 @@ struct Record {
   bool failed = false;
   Timing t;
   double gflops = 0, speedup = 0, max_abs_err = 0;
+  double of_peak = NAN;  // gflops over the machine's arithmetic peak for the dtype (CPU rows)
   bool selected = false;
   std::string isa;  // the code path of the kernel that ran (trace record), "" when it has one
 };
@@ -100,7 +103,11 @@ Settings parse_settings(const Args& a) {
   s.repeats = static_cast<int>(a.integer("repeats", quick ? 5 : 20, 1));
   s.warmup = static_cast<int>(a.integer("warmup", quick ? 1 : 2, 1));
   if (quick) s.budget_s = 0.3;
-  if (a.value("threads")) set_threads(a.integer("threads", 0, 1));
+  s.threads = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+  if (a.value("threads")) {
+    s.threads = static_cast<int>(a.integer("threads", 0, 1));
+    set_threads(s.threads);
+  }
   apply_variants(a, s.variants);
 
   s.backends = a.texts("backend", backend_names());
@@ -260,8 +267,9 @@ std::string rows_label(const AttentionCase& p) {
 }
 
 void print_header() {
-  std::printf("%-6s %-7s %-6s %-8s %6s %5s  %-22s %10s %10s %8s %7s %11s %s\n", "kind", "backend", "device",
-              "dtype", "Tq", "Tk", "kernel", "median_ms", "min_ms", "GFLOP/s", "vs_ref", "max_abs_err", "selected");
+  std::printf("%-6s %-7s %-6s %-8s %6s %5s  %-22s %10s %10s %8s %6s %7s %11s %s\n", "kind", "backend", "device",
+              "dtype", "Tq", "Tk", "kernel", "median_ms", "min_ms", "GFLOP/s", "%peak", "vs_ref", "max_abs_err",
+              "selected");
 }
 
 void print_row(const Record& r) {
@@ -279,8 +287,8 @@ void print_row(const Record& r) {
   if (r.rejected_reason)
     std::printf("%s: %s\n", r.failed ? "failed" : "rejected", r.rejected_reason->c_str());
   else
-    std::printf("%10.3f %10.3f %8.1f %7s %11s %s\n", r.t.median_ms, r.t.min_ms, r.gflops,
-                num("%.2fx", r.speedup).c_str(), num("%.2e", r.max_abs_err).c_str(), r.selected ? "*" : "");
+    std::printf("%10.3f %10.3f %8.1f %6s %7s %11s %s\n", r.t.median_ms, r.t.min_ms, r.gflops,
+                num("%.0f%%", 100 * r.of_peak).c_str(), num("%.2fx", r.speedup).c_str(), num("%.2e", r.max_abs_err).c_str(), r.selected ? "*" : "");
   std::fflush(stdout);
 }
 
@@ -301,10 +309,11 @@ void write_json(const std::string& path, const std::vector<Record>& records) {
     if (r.rejected_reason) {
       f << ", \"rejected_reason\": " << testing::json_string((r.failed ? "failed: " : "") + *r.rejected_reason)
         << ", \"median_ms\": null, \"min_ms\": null, \"repeats\": 0, \"gflops\": null, "
-           "\"speedup_vs_reference\": null, \"max_abs_err\": null";
+           "\"of_peak\": null, \"speedup_vs_reference\": null, \"max_abs_err\": null";
     } else {
       f << ",\n   \"median_ms\": " << testing::json_number(r.t.median_ms) << ", \"min_ms\": " << testing::json_number(r.t.min_ms)
         << ", \"repeats\": " << r.t.repeats << ", \"gflops\": " << testing::json_number(r.gflops)
+        << ", \"of_peak\": " << testing::json_number(r.of_peak)
         << ", \"speedup_vs_reference\": " << testing::json_number(r.speedup)
         << ", \"max_abs_err\": " << testing::json_number(r.max_abs_err);
     }
@@ -346,16 +355,24 @@ int run_bench(int argc, char** argv, int first) {
   for (const Config& c : configs) steps += static_cast<int>(kernels_of(c.problem, s).size()) + 2;
   Progress progress(steps);
   const auto start = std::chrono::steady_clock::now();
+  // Measured before any kernel runs, on the threads the kernels get.
+  const double peak_f32 = testing::arithmetic_peak_gflops("float32", s.threads);
+  const double peak_bf16 = testing::arithmetic_peak_gflops("bfloat16", s.threads);
+  std::printf("machine peak on %d threads: float32 %.0f GFLOP/s (FMA), bfloat16 %.0f GFLOP/s (%s)\n", s.threads,
+              peak_f32, peak_bf16, testing::arithmetic_peak_name("bfloat16").c_str());
   std::vector<Record> records;
   print_header();
   for (const Config& c : configs) {
     std::vector<Record> rs = bench_config(c, s, progress);
     progress.clear();
+    for (Record& r : rs)
+      if (c.problem.device.type == DeviceType::cpu && c.problem.dtype != DType::float64 && !r.rejected_reason)
+        r.of_peak = r.gflops / (c.problem.dtype == DType::bfloat16 ? peak_bf16 : peak_f32);
     for (const Record& r : rs) print_row(r);
     records.insert(records.end(), rs.begin(), rs.end());
   }
-  std::printf("%zu configs, %zu rows in %.1f s. vs_ref: reference median / median; selected (*): the kernel auto "
-              "picks\n",
+  std::printf("%zu configs, %zu rows in %.1f s. %%peak: GFLOP/s over the machine peak above for the row's "
+              "dtype (CPU rows); vs_ref: reference median / median; selected (*): the kernel auto picks\n",
               configs.size(), records.size(),
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   if (const auto path = args.value("json")) write_json(*path, records);

@@ -66,3 +66,32 @@ def peak_in_fresh_process(script, args):
     measured without what an earlier one left behind."""
     out = subprocess.run([sys.executable, script, *map(str, args)], check=True, capture_output=True, text=True).stdout
     return int(out.strip().splitlines()[-1])
+
+
+def machine_peak(threads):
+    """The machine's arithmetic limits on `threads` threads, in GFLOP/s, as bench/peak_probe
+    measures them (dimattn/testing/machine_peak.h): {"float32": best float32 FMA rate,
+    "bfloat16": the vdpbf16ps rate where the CPU has it, else the float32 one}, or None when the
+    probe is not built (DIMATTN_PEAK_PROBE, else the checkout's build/bench/peak_probe)."""
+    import json
+    import os
+    import pathlib
+    import tempfile
+    probe = os.environ.get("DIMATTN_PEAK_PROBE",
+                           str(pathlib.Path(__file__).resolve().parent.parent / "build" / "bench" / "peak_probe"))
+    if not os.access(probe, os.X_OK):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        subprocess.run([probe, f"--threads={threads}", f"--json={f.name}"], check=True, capture_output=True)
+        limits = json.load(open(f.name))["limits"]
+    rate = {row["what"]: row["all_threads"] for row in limits}
+    f32 = max((v for k, v in rate.items() if k.startswith("float32 FMA")), default=None)
+    if f32 is None:
+        return None
+    bf16 = next((v for k, v in rate.items() if k.startswith("bfloat16 dot")), f32)
+    return {"float32": f32, "bfloat16": bf16, "float16": f32}
+
+
+def of_peak(gflops, peak, dtype_name):
+    """gflops as a percentage of machine_peak()'s limit for the dtype, formatted; "—" without one."""
+    return "—" if not peak else f"{100 * gflops / peak[dtype_name]:.0f}%"

@@ -24,7 +24,8 @@ causal + ALiBi (standard slopes 2^(-8 (h + 1) / H)); causal + 4 documents of T /
 positions as a bool mask [t, kv]; the same documents as segment ids over t and kv
 (dimattn's query_segments / kv_segments; the peers as for the mask); window + documents.
 Prints a markdown table with the CPU, its flags, torch's version, the date and the
-load before and after. --quick: T = 256, 3 rounds (a smoke run).
+load before and after; dimattn's GFLOP/s (attended pairs only) and their share of the
+machine's arithmetic peak (bench/peak_probe, built with the benchmarks). --quick: T = 256, 3 rounds (a smoke run).
 """
 import argparse
 import datetime
@@ -42,7 +43,7 @@ try:
 except ModuleNotFoundError:  # run from a checkout without PYTHONPATH: its python/ (and build/python's library)
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "python"))
     import dimattn as da
-from bench_timing import cpu_info, interleaved
+from bench_timing import cpu_info, interleaved, machine_peak, of_peak
 
 VARIANTS = ["causal", "window", "softcap", "alibi", "documents", "documents_segments", "window_documents"]
 LABELS = {
@@ -72,6 +73,7 @@ class Problem:
             allowed &= pos[:, None] - pos[None, :] <= WINDOW
         if "documents" in variant:
             allowed &= doc[:, None] == doc[None, :]
+        self.gflop = 4 * B * H * D * allowed.sum().item() / 1e9  # the attended pairs only (DESIGN.md §9)
         self.slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)])
 
         # dimattn: keys and values over a kv dim of their own, so that a mask names
@@ -150,11 +152,14 @@ def main():
             setattr(torch._dynamo.config, name, 1024)
     flex = torch.compile(flex_attention, dynamic=False)
     model, flags = cpu_info()
+    peak = machine_peak(args.threads)
     load_before = os.getloadavg()
     print(f"# flex_compare: {model}; flags: {flags}\n# torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{datetime.datetime.now().isoformat(timespec='minutes')}, load before {load_before}; "
           f"B={args.batch} H={args.heads} D={args.head_dim}, forward, median of {args.rounds} rounds (wall)",
           flush=True)
+    print("# machine peak (bench/peak_probe): " + (", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peak.items())
+                                                 if peak else "not built, no % of peak"), flush=True)
 
     # First every row's setup, its first calls (flex's compilation) and its
     # agreement check; then the timings, with no compiler at work.
@@ -181,19 +186,21 @@ def main():
         for p in problems:
             times = interleaved(p.fns, args.rounds)
             t_sdpa = times[2] if len(times) > 2 else None
-            rows.append((p.label, p.dtype_name, p.T, times[0], times[1], t_sdpa, times[0] / min(times[1:]),
-                         p.diffs[0], p.diffs[1] if len(p.diffs) > 1 else None))
+            rows.append((p.label, p.dtype_name, p.T, times[0], p.gflop / times[0], times[1], t_sdpa,
+                         times[0] / min(times[1:]), p.diffs[0], p.diffs[1] if len(p.diffs) > 1 else None))
             print(f"# {p.label}, {p.dtype_name}, T={p.T}: dimattn {times[0] * 1e3:.1f} ms, flex {times[1] * 1e3:.1f} ms"
                   + (f", sdpa {t_sdpa * 1e3:.1f} ms" if t_sdpa else ""), flush=True)
 
     ms = lambda t: "—" if t is None else f"{t * 1e3:.1f}"
     dif = lambda d: "—" if d is None else f"{d:.1e}"
-    print("\n| variant | dtype | T | dimattn ms | FlexAttention ms | SDPA + mask ms | dimattn / best peer "
-          "| max abs diff vs flex | vs SDPA |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for label, dt, T, t_da, t_flex, t_sdpa, ratio, d_flex, d_sdpa in rows:
-        print(f"| {label} | {dt} | {T} | {ms(t_da)} | {ms(t_flex)} | {ms(t_sdpa)} | {ratio:.2f}x | {dif(d_flex)} "
-              f"| {dif(d_sdpa)} |")
+    print("\n| variant | dtype | T | dimattn ms | dimattn GFLOP/s (% of peak) | FlexAttention ms | SDPA + mask ms "
+          "| dimattn / best peer | max abs diff vs flex | vs SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for label, dt, T, t_da, rate, t_flex, t_sdpa, ratio, d_flex, d_sdpa in rows:
+        print(f"| {label} | {dt} | {T} | {ms(t_da)} | {rate:.0f} ({of_peak(rate, peak, dt)}) | {ms(t_flex)} "
+              f"| {ms(t_sdpa)} | {ratio:.2f}x | {dif(d_flex)} | {dif(d_sdpa)} |")
+    print("\nGFLOP/s: 4·B·H·D per attended (query, key) pair (window and documents count only theirs) over "
+          "dimattn's median; % of peak: of the machine peak above for the dtype")
     print(f"\nload before {load_before}, after {os.getloadavg()}")
 
 

@@ -61,6 +61,7 @@ struct RunInfo {
   std::string isa;  // what "best" resolves to in this process
   int threads = 0;
   double gemm_before = NAN, gemm_after = NAN;
+  double peak_float32 = NAN, peak_bfloat16 = NAN;  // the machine's arithmetic peaks (machine_peak.h), GFLOP/s
   int64_t gemm_n = 0, gemm_round_n = 0;
   double wall_s = 0;
 };

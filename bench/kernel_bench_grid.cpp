@@ -20,6 +20,7 @@
 #include "dimattn/attention.h"
 #include "dimattn/forcing.h"
 #include "dimattn/ops.h"
+#include "dimattn/testing/machine_peak.h"
 #include "dimattn/torch_interop.h"
 #include "kernel_bench.h"
 
@@ -304,9 +305,9 @@ Row run_config(const Options& o, const std::string& dtype, int64_t D, int64_t T,
 void print_table(const std::vector<Row>& rows, const RunInfo& info, bool backward) {
   const double gemm_global = std::fmax(info.gemm_before, info.gemm_after);  // NAN-safe
   std::vector<std::string> columns = {"dtype", "D", "T", "causal", "isa", "fwd ms ours / ATen / ref",
-                                      "fwd GFLOP/s ours / ATen", "fwd speedup", "fwd %GEMM"};
+                                      "fwd GFLOP/s ours / ATen", "fwd speedup", "fwd %GEMM", "fwd %peak"};
   if (backward)
-    columns.insert(columns.end(), {"bwd ms ours / ATen", "bwd GFLOP/s ours / ATen", "bwd speedup", "bwd %GEMM",
+    columns.insert(columns.end(), {"bwd ms ours / ATen", "bwd GFLOP/s ours / ATen", "bwd speedup", "bwd %GEMM", "bwd %peak",
                                    "fwd+bwd ms ours / ATen / ref", "fwd+bwd speedup"});
   columns.insert(columns.end(), {"GEMM GFLOP/s", "reps"});
   std::printf("\n");
@@ -316,6 +317,7 @@ void print_table(const std::vector<Row>& rows, const RunInfo& info, bool backwar
       const double fb_ours = u.fwd + u.bwd, fb_aten = r.aten_fwd + r.aten_bwd;
       const double f = r.flops_fwd;
       const double gemm = std::isnan(r.gemm) ? gemm_global : r.gemm;
+      const double peak = r.dtype == "float32" ? info.peak_float32 : info.peak_bfloat16;
       std::vector<std::string> cells = {
           r.dtype == "float32" ? "f32" : "bf16",
           std::to_string(r.D),
@@ -325,12 +327,14 @@ void print_table(const std::vector<Row>& rows, const RunInfo& info, bool backwar
           fmt_ms(u.fwd) + " / " + fmt_ms(r.aten_fwd) + " / " + fmt_ms(r.ref_fwd),
           fmt("%.1f", gflops(f, u.fwd)) + " / " + fmt("%.1f", gflops(f, r.aten_fwd)),
           fmt("%.2fx", r.aten_fwd / u.fwd),
-          fmt("%.0f%%", 100 * gflops(f, u.fwd) / gemm)};
+          fmt("%.0f%%", 100 * gflops(f, u.fwd) / gemm),
+          fmt("%.0f%%", 100 * gflops(f, u.fwd) / peak)};
       if (backward)
         cells.insert(cells.end(),
                      {fmt_ms(u.bwd) + " / " + fmt_ms(r.aten_bwd),
                       fmt("%.1f", gflops(2.5 * f, u.bwd)) + " / " + fmt("%.1f", gflops(2.5 * f, r.aten_bwd)),
                       fmt("%.2fx", r.aten_bwd / u.bwd), fmt("%.0f%%", 100 * gflops(2.5 * f, u.bwd) / gemm),
+                      fmt("%.0f%%", 100 * gflops(2.5 * f, u.bwd) / peak),
                       fmt_ms(fb_ours) + " / " + fmt_ms(fb_aten) + " / " + fmt_ms(r.ref_fwdbwd),
                       fmt("%.2fx", fb_aten / fb_ours)});
       cells.insert(cells.end(), {fmt("%.1f", gemm), std::to_string(r.reps) + (r.single_runs.empty() ? "" : "; once: " + r.single_runs)});
@@ -339,9 +343,10 @@ void print_table(const std::vector<Row>& rows, const RunInfo& info, bool backwar
   std::printf(
       "\nms: median %s time; fwd+bwd = forward + backward medians. speedup = ATen ms / ours ms (> 1: ours "
       "faster). GFLOP/s per DESIGN.md §9 (fwd 4·B·H·T²·D, causal half; bwd 2.5x). %%GEMM: ours over the GEMM "
-      "column, the fp32 at::mm rate timed in the same rounds (else the higher of the before/after GEMM). isa: "
+      "column, the fp32 at::mm rate timed in the same rounds (else the higher of the before/after GEMM). %%peak: "
+      "ours over the machine's arithmetic peak on these threads (float32: %.1f GFLOP/s FMA; bfloat16: %.1f, %s). isa: "
       "the code path of ours that ran. ref: dot_attention forced to \"reference\" (–: not run).\n",
-      info.clock.c_str());
+      info.clock.c_str(), info.peak_float32, info.peak_bfloat16, testing::arithmetic_peak_name("bfloat16").c_str());
   bool all_ok = true;
   for (const Row& r : rows) all_ok = all_ok && r.ok;
   std::printf("agreement with ATen%s: %s\n", rows.empty() ? "" : " (max |Δout|, max rel |Δgrad|, max |Δout| vs ref)",
@@ -357,7 +362,8 @@ void write_json(const std::string& path, const std::vector<Row>& rows, const Run
   std::ofstream f(path);
   write_json_header(f, info);
   f << ",\n  \"gemm\": {\"n\": " << info.gemm_n << ", \"round_n\": " << info.gemm_round_n << ", \"gflops_before\": " << json_number(info.gemm_before)
-    << ", \"gflops_after\": " << json_number(info.gemm_after) << "},\n  \"rows\": [";
+    << ", \"gflops_after\": " << json_number(info.gemm_after) << "},\n  \"peak_gflops\": {\"float32\": "
+    << json_number(info.peak_float32) << ", \"bfloat16\": " << json_number(info.peak_bfloat16) << "},\n  \"rows\": [";
   bool first = true;
   for (const Row& r : rows)
     for (const Ours& u : r.ours) {
@@ -397,6 +403,10 @@ int grid_mode(const Options& o, RunInfo info) {
     std::printf("fp32 GEMM at::mm %ld^3, %d threads: %.1f GFLOP/s\n", static_cast<long>(o.gemm_n), o.threads,
                 info.gemm_before);
   }
+  info.peak_float32 = testing::arithmetic_peak_gflops("float32", o.threads);
+  info.peak_bfloat16 = testing::arithmetic_peak_gflops("bfloat16", o.threads);
+  std::printf("arithmetic peak, %d threads: float32 %.1f GFLOP/s (FMA), bfloat16 %.1f GFLOP/s (%s)\n", o.threads,
+              info.peak_float32, info.peak_bfloat16, testing::arithmetic_peak_name("bfloat16").c_str());
   std::unique_ptr<Gemm> gemm;
   if (o.gemm_round_n > 0) {
     gemm = std::make_unique<Gemm>(o.gemm_round_n);

@@ -190,9 +190,12 @@ TEST(Cli, BenchWritesTableJsonAndPlot) {
     EXPECT_EQ(3 * count(j, "\"kind\": \"" + std::string(kind) + "\""), records) << kind;
   for (const char* field : {"\"device\": \"cpu\"", "\"dtype\": \"float32\"", "\"B\": 8", "\"H\": 8", "\"Tq\": ",
                             "\"Tk\": ", "\"D\": 64", "\"causal\": ", "\"kernel\": ", "\"median_ms\": ",
-                            "\"min_ms\": ", "\"gflops\": ", "\"speedup_vs_reference\": ", "\"max_abs_err\": ",
-                            "\"selected\": "})
+                            "\"min_ms\": ", "\"gflops\": ", "\"of_peak\": ", "\"speedup_vs_reference\": ",
+                            "\"max_abs_err\": ", "\"selected\": "})
     EXPECT_EQ(count(j, field), records) << field;
+  // Every CPU row that ran is set against the machine's peak, measured first.
+  EXPECT_NE(r.out.find("machine peak on 1 threads: float32 "), std::string::npos) << r.out;
+  EXPECT_EQ(count(j, "\"of_peak\": null"), count(j, "\"rejected_reason\": ")) << j;
   EXPECT_EQ(count(j, "\"kernel\": \"reference\""), configs);
   EXPECT_EQ(count(j, "\"kernel\": \"auto\""), configs);
   EXPECT_EQ(count(j, "\"selected\": true"), configs) << "one row per config is the kernel auto picks";
