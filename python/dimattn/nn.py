@@ -1,7 +1,8 @@
 """Attention modules over named dims as torch.nn.Modules: the C++ library's
-SelfAttention, CausalSelfAttention and CrossAttention (frontend/include/dimattn/
-modules.h) over :func:`dimattn.dot_attention`, and RelPosSelfAttention (the
-Conformer's, RETURNN's parameters; Python only so far).
+SelfAttention, CausalSelfAttention, CrossAttention and RelPosSelfAttention (the
+Conformer's, RETURNN's parameters) of frontend/include/dimattn/modules.h, over
+:func:`dimattn.dot_attention`. Written twice (here and in C++); with the same
+weights both give the same outputs and gradients (tests/python/test_module_parity.py).
 
 The parameters are laid out as torch's are, so that torch and Hugging Face
 checkpoints load as they are: a :class:`Linear`'s weight is ``[out_dim, in_dim]``
