@@ -47,7 +47,7 @@ struct EmulatedRunner : test::CudaFlashRunner {
   }
 };
 
-class CudaFlashEmulated : public ::testing::TestWithParam<test::CudaKernelCase> {};
+class CudaFlashEmulated : public ::testing::TestWithParam<test::Case> {};
 
 TEST_P(CudaFlashEmulated, MatchesTheOracleAndCpuFlash) {
   EmulatedRunner runner;
@@ -61,7 +61,7 @@ TEST_P(CudaFlashEmulated, MatchesTheOracleAndCpuFlash) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaFlashEmulated, ::testing::ValuesIn(test::cuda_kernel_cases()),
-                         [](const ::testing::TestParamInfo<test::CudaKernelCase>& i) { return i.param.name; });
+                         [](const ::testing::TestParamInfo<test::Case>& i) { return i.param.name; });
 
 // --- the launcher's edge cases ---
 

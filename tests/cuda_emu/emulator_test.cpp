@@ -11,7 +11,7 @@
 
 #include "cuda/primitives.cuh"
 #include "cuda_emu/emulator.h"
-#include "kernels/bf16_bits.h"
+#include "support/bf16_bits.h"
 
 namespace dimattn::kernels::cuda_flash {
 namespace {

@@ -1,10 +1,10 @@
 // cpu_flash's decode path (few query rows over a kv cache: the query heads
 // of a kv head folded into one block, long caches split into chunks whose
 // softmax states merge) and paged kv caches (pools of blocks through a block
-// table), against the naive float64 reference of cpu_flash_case.h.
+// table), against the naive float64 reference of cpu_flash_check.h.
 #include <gtest/gtest.h>
 
-#include "cpu_flash_case.h"
+#include "cpu_flash_check.h"
 
 namespace dimattn::kernels {
 namespace {

@@ -253,7 +253,7 @@ struct DeviceRunner : test::CudaFlashRunner {
 };
 
 // The cases the emulation runs in CI (tests/cuda_emu), here on the GPU.
-class CudaFlashKernel : public ::testing::TestWithParam<test::CudaKernelCase> {};
+class CudaFlashKernel : public ::testing::TestWithParam<test::Case> {};
 
 TEST_P(CudaFlashKernel, MatchesTheOracleAndCpuFlash) {
   if (std::string why = testing::cuda::device_unavailable(); !why.empty()) GTEST_SKIP() << why;
@@ -262,7 +262,7 @@ TEST_P(CudaFlashKernel, MatchesTheOracleAndCpuFlash) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaFlashKernel, ::testing::ValuesIn(test::cuda_kernel_cases()),
-                         [](const ::testing::TestParamInfo<test::CudaKernelCase>& i) { return i.param.name; });
+                         [](const ::testing::TestParamInfo<test::Case>& i) { return i.param.name; });
 
 #endif  // DIMATTN_TEST_WITH_CUDA
 
