@@ -1,5 +1,5 @@
 // Reference path vs fast path of dot_attention, side by side in one run, and
-// the cost of a selection-cache hit; docs/perf.md records the ratios.
+// the cost of a selection-cache hit; docs/perf-log.md records the ratios.
 //
 //   build/bench/attention_bench --benchmark_format=json --benchmark_out=att.json
 #include <benchmark/benchmark.h>
@@ -58,7 +58,7 @@ BENCHMARK(BM_SelectionCacheHit);
 void BM_SelectionFromCall(benchmark::State& state) {
   const testing::Operands ops = testing::make_operands(
       {.kind = testing::Kind::self, .batch = 8, .heads = 8, .seq_q = 32, .seq_k = 32, .head_dim = 64, .head_dim_v = 64});
-  const Tensor& x = ops.q;  // one tensor as q, k and v, as docs/perf.md's figures were measured
+  const Tensor& x = ops.q;  // one tensor as q, k and v, as docs/perf-log.md's figures were measured
   for (auto _ : state) benchmark::DoNotOptimize(explain_attention(x, x, x, ops.opts).kernel.size());
 }
 BENCHMARK(BM_SelectionFromCall);

@@ -2,7 +2,7 @@
 caches) against ATen's SDPA (enable_gqa) in one process, and every row's K + V bytes
 over its time against the machine's read bandwidth, measured here by a read-only probe.
 
-    python bench/decode.py                 # the docs/perf.md grid
+    python bench/decode.py                 # the grid docs/perf.md draws from
     python bench/decode.py --quick         # a few rows
     python bench/decode.py --svg docs/decode.svg
 
@@ -107,7 +107,7 @@ def row(B, Tq, S, H, Hkv, dtype, layouts, rounds):
 
 
 def grid(quick):
-    """The rows of docs/perf.md: every dtype and head configuration at B = 1 over 1k..128k
+    """The rows docs/perf.md draws from: every dtype and head configuration at B = 1 over 1k..128k
     positions (one query), both contiguous layouts and paged pools at 32k, query positions
     4 and 16 and B = 8 at 32k."""
     if quick:

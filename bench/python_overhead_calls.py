@@ -1,6 +1,6 @@
 """N calls of dimattn.dot_attention (forced to aten_flash_cpu) or of
 F.scaled_dot_product_attention, for instruction counts under callgrind, which load
-on the machine does not change (docs/perf.md):
+on the machine does not change (docs/perf-log.md):
 
     PYTHONPATH=python DIMATTN_TORCH_OPS=build/python/libdimattn_torch_ops.so valgrind --tool=callgrind \\
         ~/.cache/dimattn/venv/bin/python bench/python_overhead_calls.py dimattn 120 32

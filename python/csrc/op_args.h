@@ -24,7 +24,7 @@
 // optional with the default None (= unset, false, 0), so that a caller passes
 // a call positionally up to its last set argument: each argument of an op,
 // passed or defaulted, costs its Python caller about a thousand instructions
-// per call (docs/perf.md), keywords more, so the common call takes the op with
+// per call (docs/perf-log.md), keywords more, so the common call takes the op with
 // the fewest arguments. argument_names() gives each group's names in order.
 // - dims: the names of the query's dims, then the keys', the values' and the
 //   result's, in their orders (split by the operands' ranks; the result's are
