@@ -83,7 +83,7 @@ def machine_peak(threads):
         return None
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([probe, f"--threads={threads}", f"--json={f.name}"], check=True, capture_output=True)
-        limits = json.load(open(f.name))["limits"]
+        limits = json.load(f)["limits"]
     rate = {row["what"]: row["all_threads"] for row in limits}
     f32 = max((v for k, v in rate.items() if k.startswith("float32 FMA")), default=None)
     if f32 is None:

@@ -22,6 +22,7 @@
 #include "common/attention_mask.h"
 #include "common/attention_params.h"
 #include "common/philox.h"
+#include "dimattn/tolerance.h"
 #include "support/bf16_bits.h"
 
 namespace dimattn::kernels::test {
@@ -198,16 +199,20 @@ struct Case {
   }
 };
 
-// docs/numerics.md's table (dimattn/tolerance.h's reference_tolerance).
-inline double fwd_tol(ElementType t) {
+// The frontend's name of a kernel element type.
+inline DType dtype_of(ElementType t) {
   switch (t) {
-    case ElementType::float64: return 1e-10;
-    case ElementType::float32: return 1e-5;
-    case ElementType::bfloat16: return 2e-2;
-    case ElementType::float16: return 2e-3;
+    case ElementType::float64: return DType::float64;
+    case ElementType::float32: return DType::float32;
+    case ElementType::bfloat16: return DType::bfloat16;
+    case ElementType::float16: return DType::float16;
   }
-  return 0;
+  return DType::float32;
 }
+
+// The one table of how far a fused kernel may be from the reference
+// (dimattn/tolerance.h, docs/numerics.md); gradients get twice this.
+inline double fwd_tol(ElementType t) { return reference_tolerance(dtype_of(t)); }
 inline double bwd_tol(ElementType t) { return 2 * fwd_tol(t); }
 
 // ---------------------------------------------------------------------------
