@@ -256,10 +256,10 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
       }
       lbs = w.lb.data(), nvs = w.nv.data();
     }
-    const Rows<S> kt = k.from(j0), vt = v.from(j0);
+    const Rows<S> kt = k.from(j0), vt = v.from(j0), kn = k.from(j0 + w.bk);
     typename Operands::VMat vmat{};
     if (direct) {
-      direct_scores_rows(m, n, D, w.qd, kt, w.s, ldk);
+      direct_scores_rows(m, n, D, w.qd, kt, w.s, ldk, RowsAhead<S>{&vt, n, Dv * static_cast<int64_t>(sizeof(S))});
     } else {
       const int64_t slot = w.tile(k, v, Dv, kv_len, b, hk, j0 / w.bk);
       ops.scores(slot, m, np, w.s, lbs, nvs);
@@ -344,7 +344,8 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
       }
     }
     if (direct)
-      direct_pv_rows(m, n, Dv, w.s, ldk, vt, w.o, dvp, lbs, nvs);
+      direct_pv_rows(m, n, Dv, w.s, ldk, vt, w.o, dvp, lbs, nvs,
+                     RowsAhead<S>{&kn, std::min(w.bk, kv_end - j0 - w.bk), D * static_cast<int64_t>(sizeof(S))});
     else
       ops.add_pv(m, n, w.s, vmat, w.o, dvp, lbs, nvs);
   }
