@@ -86,10 +86,18 @@ def _run(q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, causal, 
         rows, q = _pad(q, cu_seqlens_q, seqlens_q)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     allowed = forced()
+    args = (q, k_cache, v_cache, cache_seqlens, block_table, seqlens_q, causal, scale, window_size[0], softcap,
+            alibi_slopes, sinks, kv_layout == "HND", ",".join(allowed) if allowed else "auto")
     try:
-        out, kernel = ops.kv_cache_attention(q, k_cache, v_cache, cache_seqlens, block_table, seqlens_q, causal,
-                                             scale, window_size[0], softcap, alibi_slopes, sinks, kv_layout == "HND",
-                                             ",".join(allowed) if allowed else "auto")
+        if torch.compiler.is_compiling():
+            # torch.compile traces the opaque form (its fake gives the shape);
+            # the gathered path's gradient needs the composite one, eager.
+            if torch.is_grad_enabled() and q.requires_grad:
+                raise Error(f"{op} a gradient of q under torch.compile is not supported: call it eagerly "
+                            "(torch.compiler.disable) or under torch.no_grad()")
+            out, kernel = ops.kv_cache_attention.infer(*args), None
+        else:
+            out, kernel = ops.kv_cache_attention(*args)
     except RuntimeError as err:
         raise_as_error(err)
     if packed:

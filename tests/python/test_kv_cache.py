@@ -183,3 +183,38 @@ def test_no_sequences_give_an_empty_result():
     out = da.kv_cache_attention(torch.randn(0, 1, 4, 8), kp, vp, torch.zeros(0, dtype=torch.long),
                                 torch.zeros(0, 2, dtype=torch.int32))
     assert out.shape == (0, 1, 4, 8)
+
+
+def test_compiled_decoding_step_equals_eager():
+    """A decoding step under torch.compile(fullgraph=True): one graph, no break (the op's
+    opaque `.infer` form and its fake), equal to eager on contiguous and paged caches;
+    opcheck on the op; with a gradient of q, the eager result."""
+    q, ks, vs, lens = case(lens=(70, 1, 5, 33))
+    kp, vp, table = paged(ks, vs, lens, 16, hnd=True)
+
+    def step(q, kp, vp, lens, table, ks, vs):
+        paged_out = da.kv_cache_attention(q, kp, vp, lens, table, kv_layout="HND", window_size=(40, 0))
+        return paged_out * 2 + da.kv_cache_attention(q, ks, vs, lens, softcap=5.0)
+
+    inputs = (q, kp, vp, lens, table, ks, vs)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(step)(*inputs)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    eager = step(*inputs)
+    compiled = torch.compile(step, fullgraph=True)(*inputs)
+    assert torch.isfinite(eager).all() and (compiled - eager).abs().max() == 0
+    # The op's own schema, fake and dispatch checks.
+    args = (q, kp, vp, lens, table, None, True, 0.125, -1, 0.0, None, None, True, "auto")
+    torch.library.opcheck(da._ops.ops.kv_cache_attention.infer, args)
+    # A gradient of q needs the composite form: without fullgraph dynamo breaks
+    # the graph there and the call runs eagerly, gradient included; with it,
+    # dynamo refuses (it cannot build the dimattn.Error that says why).
+    qg = q.clone().requires_grad_()
+    got = torch.compile(step)(qg, *inputs[1:])
+    (gq,) = torch.autograd.grad(got.sum(), qg)
+    qe = q.clone().requires_grad_()
+    (ge,) = torch.autograd.grad(step(qe, *inputs[1:]).sum(), qe)
+    assert (got - eager).abs().max() < 1e-6 and gq.abs().max() > 0 and (gq - ge).abs().max() < 1e-6
+    torch._dynamo.reset()  # not the graphs compiled above
+    with pytest.raises(Exception, match="dimattn"):
+        torch.compile(step, fullgraph=True)(q.clone().requires_grad_(), *inputs[1:])
