@@ -273,6 +273,15 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
       fill(w.z + n, np - n, A(0));
     }
     const int64_t next = !direct && j0 + w.bk < kv_end ? w.ready(j0 / w.bk + 1) : -1;
+    // A next tile not packed yet (decoding's blocks, a head's first block):
+    // its rows towards L2, spread over the rows' softmax below, so that its
+    // packing reads from L2 instead of memory. Multi-query decoding (B = 1,
+    // 32 heads over one, 32k positions): float32 5.9 -> 5.0 ms, bfloat16
+    // 3.1 -> 2.4 ms; prefill unchanged (kernel_bench; AMD EPYC Zen 4, 2 threads).
+    const int64_t ahead_n = !direct && next < 0 ? std::min(w.bk, kv_end - j0 - w.bk) : 0;
+    const Rows<S> vn = v.from(j0 + w.bk);
+    const RowsAhead<S> k_ahead{&kn, ahead_n, D * static_cast<int64_t>(sizeof(S))},
+        v_ahead{&vn, ahead_n, Dv * static_cast<int64_t>(sizeof(S))};
     // Row r (query row i of head hd) weights in srow (its scores on entry),
     // zero up to np past its positions.
     auto row_weights = [&](const BlockHead<A>& hd, int64_t r, int64_t i, A* srow) {
@@ -335,6 +344,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
       for (int64_t i = r0; i < hd.rv; ++i) {
         const int64_t r = hd.row0 + i - r0;
         if (next >= 0) ops.prefetch_tile(next, r, m);
+        for (int64_t c = ahead_n * r / m, ce = ahead_n * (r + 1) / m; c < ce; ++c) k_ahead.fetch(c), v_ahead.fetch(c);
         A* srow = w.s + r * ldk;
         if (hd.cls == TileClass::empty)
           fill(srow, np, A(0));
