@@ -34,10 +34,7 @@ struct RowsAhead {
   int64_t n = 0, bytes = 0;
   // Row c (if any) towards L2.
   DIMATTN_INLINE void fetch(int64_t c) const {
-    if (rows && c < n) {
-      const char* r = reinterpret_cast<const char*>((*rows)(c));
-      for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(r + l, 0, 2);
-    }
+    if (rows && c < n) prefetch_part((*rows)(c), bytes, 0, 1);
   }
 };
 

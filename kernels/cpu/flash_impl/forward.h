@@ -256,7 +256,8 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
       }
       lbs = w.lb.data(), nvs = w.nv.data();
     }
-    const Rows<S> kt = k.from(j0), vt = v.from(j0), kn = k.from(j0 + w.bk);
+    const Rows<S> kt = k.from(j0), vt = v.from(j0), kn = k.from(j0 + w.bk), vn = v.from(j0 + w.bk);
+    const int64_t next_n = std::min(w.bk, kv_end - j0 - w.bk);  // the next tile's positions (<= 0: none)
     typename Operands::VMat vmat{};
     if (direct) {
       direct_scores_rows(m, n, D, w.qd, kt, w.s, ldk, RowsAhead<S>{&vt, n, Dv * static_cast<int64_t>(sizeof(S))});
@@ -278,8 +279,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
     // packing reads from L2 instead of memory. Multi-query decoding (B = 1,
     // 32 heads over one, 32k positions): float32 5.9 -> 5.0 ms, bfloat16
     // 3.1 -> 2.4 ms; prefill unchanged (kernel_bench; AMD EPYC Zen 4, 2 threads).
-    const int64_t ahead_n = !direct && next < 0 ? std::min(w.bk, kv_end - j0 - w.bk) : 0;
-    const Rows<S> vn = v.from(j0 + w.bk);
+    const int64_t ahead_n = !direct && next < 0 ? next_n : 0;
     const RowsAhead<S> k_ahead{&kn, ahead_n, D * static_cast<int64_t>(sizeof(S))},
         v_ahead{&vn, ahead_n, Dv * static_cast<int64_t>(sizeof(S))};
     // Row r (query row i of head hd) weights in srow (its scores on entry),
@@ -355,7 +355,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
     }
     if (direct)
       direct_pv_rows(m, n, Dv, w.s, ldk, vt, w.o, dvp, lbs, nvs,
-                     RowsAhead<S>{&kn, std::min(w.bk, kv_end - j0 - w.bk), D * static_cast<int64_t>(sizeof(S))});
+                     RowsAhead<S>{&kn, next_n, D * static_cast<int64_t>(sizeof(S))});
     else
       ops.add_pv(m, n, w.s, vmat, w.o, dvp, lbs, nvs);
   }
