@@ -6,8 +6,11 @@
 #                                         LibTorch is not instrumented, so its threads would
 #                                         hide races and report false ones)
 #   DIMATTN_FUZZ      ON: clang only; every target gets libFuzzer's coverage
-#                     instrumentation (-fsanitize=fuzzer-no-link) and tests/fuzz builds
-#                     its targets (-fsanitize=fuzzer). Combine with address,undefined.
+#                     instrumentation (-fsanitize=fuzzer-no-link) but the test suites'
+#                     sources and the standard library's and Eigen's internals
+#                     (tests/fuzz/coverage_ignorelist.txt), the kernels without traced
+#                     comparisons (kernels/CMakeLists.txt); tests/fuzz builds its
+#                     targets (-fsanitize=fuzzer). Combine with address,undefined.
 #
 # Included from the top-level CMakeLists.txt after the options and before any
 # target, so that add_compile_options reaches every target, the library included:
@@ -48,7 +51,7 @@ endif()
 if(DIMATTN_FUZZ)
   if(NOT CMAKE_CXX_COMPILER_ID MATCHES "Clang")
     message(FATAL_ERROR "DIMATTN_FUZZ needs clang (libFuzzer); configure with -DCMAKE_CXX_COMPILER=clang++ "
-                        "or use the 'fuzz' preset")
+                        "or use the 'asan-eigen' preset")
   endif()
   # Coverage skips the standard library's and Eigen's internals
   # (tests/fuzz/coverage_ignorelist.txt). The list is passed as a copy whose

@@ -2,6 +2,8 @@
 // warp collectives, and the shared-memory checks.
 #include "cuda_emu/emulator.h"
 
+#include "support/bf16_bits.h"
+
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -10,7 +12,17 @@
 #include <stdexcept>
 #include <utility>
 
+// ASan is told about every fiber switch. g++ says it is on with
+// __SANITIZE_ADDRESS__, clang 14 (the asan-eigen build) with __has_feature.
 #if defined(__SANITIZE_ADDRESS__)
+#define DIMATTN_EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define DIMATTN_EMU_ASAN 1
+#endif
+#endif
+
+#if defined(DIMATTN_EMU_ASAN)
 #include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
@@ -126,7 +138,7 @@ struct Emulator {
   std::vector<std::pair<std::string, uint64_t>> findings;
   std::map<std::string, size_t> finding_index;
   Counts counts;
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(DIMATTN_EMU_ASAN)
   const void* main_stack_bottom = nullptr;
   size_t main_stack_size = 0;
 #endif
@@ -161,7 +173,7 @@ std::string thread_name(int linear) {
 void switch_to_scheduler(bool exiting) {
   Emulator& e = emu();
   Thread* t = e.current;
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(DIMATTN_EMU_ASAN)
   void* fake = nullptr;
   __sanitizer_start_switch_fiber(exiting ? nullptr : &fake, e.main_stack_bottom, e.main_stack_size);
   dimattn_emu_switch(&t->sp, e.scheduler_sp);
@@ -176,7 +188,7 @@ void check_block_barrier();
 void check_warp(int warp);
 
 [[noreturn]] void fiber_main() {
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(DIMATTN_EMU_ASAN)
   __sanitizer_finish_switch_fiber(nullptr, &emu().main_stack_bottom, &emu().main_stack_size);
 #endif
   Emulator& e = emu();
@@ -201,7 +213,7 @@ void check_warp(int warp);
 
 // A fresh stack whose first switch-in enters fiber_main.
 void start_stack(Thread& t) {
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(DIMATTN_EMU_ASAN)
   ASAN_UNPOISON_MEMORY_REGION(t.stack, kStackBytes);
 #endif
   auto top = reinterpret_cast<uintptr_t>(t.stack + kStackBytes) & ~uintptr_t{15};
@@ -216,7 +228,7 @@ void start_stack(Thread& t) {
 void switch_to(Thread& t) {
   Emulator& e = emu();
   e.current = &t;
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(DIMATTN_EMU_ASAN)
   void* fake = nullptr;
   __sanitizer_start_switch_fiber(&fake, t.stack, kStackBytes);
   dimattn_emu_switch(&e.scheduler_sp, t.sp);
@@ -256,15 +268,7 @@ struct ShflArgs {
 };
 
 float half_value(uint16_t bits, MmaType t) {
-  if (t == MmaType::bf16) {
-    const uint32_t u = uint32_t{bits} << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-  _Float16 h;
-  std::memcpy(&h, &bits, 2);
-  return static_cast<float>(h);
+  return t == MmaType::bf16 ? kernels::test::bf16_value(bits) : kernels::test::f16_value(bits);
 }
 float lo_half(uint32_t r, MmaType t) { return half_value(static_cast<uint16_t>(r & 0xffff), t); }
 float hi_half(uint32_t r, MmaType t) { return half_value(static_cast<uint16_t>(r >> 16), t); }

@@ -22,7 +22,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <source_location>
 #include <string>
 #include <vector>
 
@@ -38,7 +37,18 @@ const Uint3& block_idx();
 const Uint3& block_dim();
 const Uint3& grid_dim();
 
-using Site = std::source_location;
+// Where a primitive was called from: std::source_location's part that the
+// checks compare (written out, since clang 14, the sanitized build's
+// compiler, cannot build libstdc++'s std::source_location).
+struct Site {
+  const char* file = "";
+  unsigned line_no = 0;
+  static constexpr Site current(const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) {
+    return {file, line};
+  }
+  const char* file_name() const { return file; }
+  unsigned line() const { return line_no; }
+};
 
 // --- warp collectives and barriers (every lane / thread takes part) ---
 

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "cuda_emu/emulator.h"
+#include "support/bf16_bits.h"
 
 // CUDA's declaration specifiers and built-in variables.
 #define __global__
@@ -48,23 +49,14 @@ inline uint16_t bf16_bits_of(float x) {  // round to nearest even; NaN stays NaN
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
-inline uint16_t f16_bits_of(float x) {  // the compiler's _Float16: round to nearest even
-  const _Float16 h = static_cast<_Float16>(x);
-  uint16_t b;
-  std::memcpy(&b, &h, 2);
-  return b;
-}
+inline uint16_t f16_bits_of(float x) { return kernels::test::f16_round(x); }  // round to nearest even
 inline float to_float(bf16 x) {
   const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
-inline float to_float(f16 x) {
-  _Float16 h;
-  std::memcpy(&h, &x.bits, 2);
-  return static_cast<float>(h);
-}
+inline float to_float(f16 x) { return kernels::test::f16_value(x.bits); }
 inline bf16 to_bf16(float x) { return {bf16_bits_of(x)}; }
 inline f16 to_f16(float x) { return {f16_bits_of(x)}; }
 inline uint32_t pack_bf16x2(float lo, float hi) { return bf16_bits_of(lo) | uint32_t{bf16_bits_of(hi)} << 16; }

@@ -215,7 +215,7 @@ TEST_P(Determinism, OtherThreadsGiveTheSameBits) {
     ++ran;
     std::vector<double> results[3];
     std::vector<std::thread> threads;
-    for (auto& r : results) threads.emplace_back([&] {
+    for (auto& r : results) threads.emplace_back([&r, &c, be = be, kernel = kernel] {
       std::string w;
       r = run_case(be, kernel, c, true, &w);
     });
