@@ -5,7 +5,6 @@
 //       Tensor? block_table, Tensor? seqlens_q, bool causal, float scale, int window_left,
 //       float softcap, Tensor? alibi_slopes, Tensor? sinks, bool heads_outer, str force)
 //       -> (Tensor out, str kernel)
-//   dimattn::kv_cache_attention.infer(<the same>) -> Tensor out
 //
 // q [B, Tq, H, D] (H a multiple of the cache's kv heads), seqlens_q [B] each
 // sequence's new positions (absent: Tq each). Without block_table the cache
@@ -15,10 +14,9 @@
 // [B, H] (float64). Returns [B, Tq, H, Dv] and the kernel that ran (the
 // in-place one, or the kernel dot_attention chose for the gathered pages). The
 // names become Dims here and the frontend's kv_cache_attention runs on the
-// torch backend over the same memory. The first form is composite (autograd
-// reaches the gathered path's ops when q needs a gradient); `.infer` is an
-// opaque kernel with a fake (python/dimattn/_ops.py), the form torch.compile
-// traces, for calls without a gradient.
+// torch backend over the same memory. The op is composite (autograd reaches
+// the gathered path's ops when q needs a gradient); torch.compile traces an
+// opaque Python op around it instead (python/dimattn/_kv_cache.py).
 #include <torch/library.h>
 
 #include <ATen/ops/arange.h>
@@ -90,18 +88,6 @@ std::tuple<at::Tensor, std::string> kv_cache_attention_op(const at::Tensor& q, c
           trace.records().empty() ? std::string() : trace.records().back().kernel};
 }
 
-at::Tensor kv_cache_attention_infer_op(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                       const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& block_table,
-                                       const std::optional<at::Tensor>& seqlens_q, bool causal, double scale,
-                                       int64_t window_left, double softcap,
-                                       const std::optional<at::Tensor>& alibi_slopes,
-                                       const std::optional<at::Tensor>& sinks, bool heads_outer,
-                                       const std::string& force) {
-  return std::get<0>(kv_cache_attention_op(q, k_cache, v_cache, cache_seqlens, block_table, seqlens_q, causal, scale,
-                                           window_left, softcap, alibi_slopes, sinks, heads_outer, force))
-      .contiguous();
-}
-
 }  // namespace
 }  // namespace dimattn::python
 
@@ -110,14 +96,7 @@ TORCH_LIBRARY_FRAGMENT(dimattn, m) {
       "kv_cache_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, "
       "Tensor? seqlens_q, bool causal, float scale, int window_left, float softcap, Tensor? alibi_slopes, "
       "Tensor? sinks, bool heads_outer, str force) -> (Tensor, str)");
-  m.def(
-      "kv_cache_attention.infer(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, "
-      "Tensor? seqlens_q, bool causal, float scale, int window_left, float softcap, Tensor? alibi_slopes, "
-      "Tensor? sinks, bool heads_outer, str force) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(dimattn, CompositeImplicitAutograd, m) {
   m.impl("kv_cache_attention", &dimattn::python::kv_cache_attention_op);
-}
-TORCH_LIBRARY_IMPL(dimattn, CompositeExplicitAutograd, m) {
-  m.impl("kv_cache_attention.infer", &dimattn::python::kv_cache_attention_infer_op);
 }

@@ -88,21 +88,46 @@ def _run(q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, causal, 
     allowed = forced()
     args = (q, k_cache, v_cache, cache_seqlens, block_table, seqlens_q, causal, scale, window_size[0], softcap,
             alibi_slopes, sinks, kv_layout == "HND", ",".join(allowed) if allowed else "auto")
-    try:
-        if torch.compiler.is_compiling():
-            # torch.compile traces the opaque form (its fake gives the shape);
-            # the gathered path's gradient needs the composite one, eager.
-            if torch.is_grad_enabled() and q.requires_grad:
-                raise Error(f"{op} a gradient of q under torch.compile is not supported: call it eagerly "
-                            "(torch.compiler.disable) or under torch.no_grad()")
-            out, kernel = ops.kv_cache_attention.infer(*args), None
-        else:
+    if torch.compiler.is_compiling():
+        # torch.compile traces the opaque form (its fake gives the shape); the
+        # gathered path's gradient needs the composite op, eager.
+        if torch.is_grad_enabled() and q.requires_grad:
+            raise Error(f"{op} a gradient of q under torch.compile is not supported: call it eagerly "
+                        "(torch.compiler.disable) or under torch.no_grad()")
+        out, kernel = kv_cache_attention_opaque(*args), None
+    else:
+        try:
             out, kernel = ops.kv_cache_attention(*args)
-    except RuntimeError as err:
-        raise_as_error(err)
+        except RuntimeError as err:
+            raise_as_error(err)
     if packed:
         out = out.reshape(-1, *out.shape[2:])[rows]
     return out, kernel
+
+
+@torch.library.custom_op("dimattn::kv_cache_attention_opaque", mutates_args=())
+def kv_cache_attention_opaque(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
+                              seqlens_q: Optional[torch.Tensor], causal: bool, scale: float, window_left: int,
+                              softcap: float, alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
+                              heads_outer: bool, force: str) -> torch.Tensor:
+    """The op dimattn::kv_cache_attention's output (python/csrc/kv_cache_ops.cpp
+    has the arguments) as one opaque op with a fake kernel: what torch.compile
+    traces, for calls without a gradient. Python, so that bad input inside a
+    compiled graph still raises dimattn.Error (a C++ op's error reaches the
+    caller as torch's RuntimeError there)."""
+    try:
+        out, _ = ops.kv_cache_attention(q, k_cache, v_cache, cache_seqlens, block_table, seqlens_q, causal, scale,
+                                        window_left, softcap, alibi_slopes, sinks, heads_outer, force)
+    except RuntimeError as err:
+        raise_as_error(err)
+    return out.contiguous()
+
+
+@kv_cache_attention_opaque.register_fake
+def _kv_cache_attention_fake(q, k_cache, v_cache, *args):
+    # [batch, new, heads, Dv]; a q of another rank gets its error from the op itself, at run time.
+    return q.new_empty(*q.shape[:-1], v_cache.shape[-1])
 
 
 def _pad(q: torch.Tensor, cu: torch.Tensor, lens: torch.Tensor):

@@ -92,8 +92,3 @@ def _dot_attention_lse_fake(query, keys, values, *args, **kwargs):
 def _dot_attention_backward_lse_fake(grad_output, output, lse, query, keys, values, *args, **kwargs):
     return _dot_attention_backward_fake(grad_output, query, keys, values, *args, **kwargs)
 
-
-@torch.library.register_fake("dimattn::kv_cache_attention.infer")
-def _kv_cache_attention_fake(q, k_cache, v_cache, *args, **kwargs):
-    # [batch, new, heads, Dv] (python/csrc/kv_cache_ops.cpp)
-    return q.new_empty(*q.shape[:3], v_cache.shape[-1])

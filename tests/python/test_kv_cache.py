@@ -168,14 +168,27 @@ def test_append_writes_in_place_and_bad_input_is_an_error():
     assert torch.equal(kp[1, 1], k[0]) and torch.equal(kp[3, 15], k[2]) and kp.count_nonzero() == 32
     with pytest.raises(da.Error, match=r"slot 64 is past the pools' 64 slots"):
         da.kv_cache_append(kp, vp, k, k, torch.tensor([0, 1, 64]))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_bad_input_is_an_error(compiled):
+    """Eagerly and inside a compiled graph (inductor, fullgraph: the opaque op), bad
+    input raises dimattn.Error: a block index out of range and a length past the
+    table's capacity (both known only at run time), heads that do not divide."""
+    kp, vp = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
     q = torch.randn(1, 1, 4, 8)
     table = torch.tensor([[0, 9]], dtype=torch.int32)
+    attend = da.kv_cache_attention
+    if compiled:
+        torch._dynamo.reset()
+        attend = torch.compile(da.kv_cache_attention, fullgraph=True)
+        assert attend(q, kp, vp, torch.tensor([5]), table).shape == (1, 1, 4, 8)  # a good call first
     with pytest.raises(da.Error, match=r"block_table\[0\]\[1\] = 9 is outside the pool's 4 blocks"):
-        da.kv_cache_attention(q, kp, vp, torch.tensor([20]), table)
+        attend(q, kp, vp, torch.tensor([20]), table)
     with pytest.raises(da.Error, match="past the block table's capacity"):
-        da.kv_cache_attention(q, kp, vp, torch.tensor([33]), table)
+        attend(q, kp, vp, torch.tensor([33]), table)
     with pytest.raises(da.Error, match="multiple of the cache's 2 kv heads"):
-        da.kv_cache_attention(torch.randn(1, 1, 3, 8), kp, vp, torch.tensor([20]), table)
+        attend(torch.randn(1, 1, 3, 8), kp, vp, torch.tensor([20]), table)
 
 
 def test_no_sequences_give_an_empty_result():
@@ -186,9 +199,9 @@ def test_no_sequences_give_an_empty_result():
 
 
 def test_compiled_decoding_step_equals_eager():
-    """A decoding step under torch.compile(fullgraph=True): one graph, no break (the op's
-    opaque `.infer` form and its fake), equal to eager on contiguous and paged caches;
-    opcheck on the op; with a gradient of q, the eager result."""
+    """A decoding step under torch.compile(fullgraph=True): one graph, no break (the
+    opaque op and its fake), equal to eager on contiguous and paged caches; opcheck on
+    the opaque op; with a gradient of q, the eager result."""
     q, ks, vs, lens = case(lens=(70, 1, 5, 33))
     kp, vp, table = paged(ks, vs, lens, 16, hnd=True)
 
@@ -205,7 +218,7 @@ def test_compiled_decoding_step_equals_eager():
     assert torch.isfinite(eager).all() and (compiled - eager).abs().max() == 0
     # The op's own schema, fake and dispatch checks.
     args = (q, kp, vp, lens, table, None, True, 0.125, -1, 0.0, None, None, True, "auto")
-    torch.library.opcheck(da._ops.ops.kv_cache_attention.infer, args)
+    torch.library.opcheck(da._kv_cache.kv_cache_attention_opaque, args)
     # A gradient of q needs the composite form: without fullgraph dynamo breaks
     # the graph there and the call runs eagerly, gradient included; with it,
     # dynamo refuses (it cannot build the dimattn.Error that says why).
