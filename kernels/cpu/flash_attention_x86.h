@@ -152,6 +152,21 @@ DIMATTN_INLINE vf dot_pairs(vf acc, vi a, vi b) {
 // vcvtne2ps2bf16: round to nearest even, NaN kept quiet; subnormal inputs
 // become 0 (the weights P and dS it rounds lose nothing of use there).
 DIMATTN_INLINE vi round_pairs(vf lo, vf hi) { return (vi)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo); }
+// Words of a and b zipped within each 128-bit lane (vpunpcklwd, vpunpckhwd):
+// lo's lane 4L + i holds (a[8L + i], b[8L + i]), hi's (a[8L + 4 + i],
+// b[8L + 4 + i]), i < 4.
+DIMATTN_INLINE void zip_words(vi a, vi b, vi& lo, vi& hi) {
+  lo = (vi)_mm512_unpacklo_epi16((__m512i)a, (__m512i)b);
+  hi = (vi)_mm512_unpackhi_epi16((__m512i)a, (__m512i)b);
+}
+// Sums per lane in zip_words' order (lo's and hi's lanes) put back in word
+// order: words 0..15 in first, 16..31 in second.
+DIMATTN_INLINE void unzip_sums(vf lo, vf hi, vf& first, vf& second) {
+  static const int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  static const int32_t kSecond[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+  first = (vf)_mm512_permutex2var_ps((__m512)lo, _mm512_loadu_si512(kFirst), (__m512)hi);
+  second = (vf)_mm512_permutex2var_ps((__m512)lo, _mm512_loadu_si512(kSecond), (__m512)hi);
+}
 DIMATTN_INLINE vi interleave_pairs(vf a, vf b) {
   // Words 0..15 are a's, 16..31 b's; word 2l takes a[l], word 2l + 1 b[l].
   static const uint16_t kOrder[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,

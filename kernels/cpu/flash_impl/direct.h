@@ -94,15 +94,36 @@ DIMATTN_INLINE V lane_sums(V* x) {
 }
 #endif
 
-// s[r][c] = qs[r] . k(c) for M rows (qs: [M][D], already in score units) and
+// How direct_scores multiplies q by k: here in the accumulation type, k
+// converted on load, one FMA per element; pairs.h's PairDot takes bfloat16
+// pairs through vdpbf16ps instead. Q: q's element type; kStep elements per
+// vector.
+template <class A, class S>
+struct FmaDot {
+  using Q = A;
+  using V = typename Simd<A>::V;
+  static constexpr int64_t kStep = Simd<A>::W;
+  static DIMATTN_INLINE V q(const Q* p) { return vload<V>(p); }
+  static DIMATTN_INLINE V k(const S* p) { return load_as<A>(p); }
+  static DIMATTN_INLINE V mac(V acc, V q, V k) { return vfma(q, k, acc); }
+};
+
+// s[r][c] = q[r] . k(c) for M rows (q: M rows of D elements, ldq apart) and
 // kv positions c < n. KR positions per step keep M x KR = W accumulators,
 // summed by lane_sums.
-template <int M, class A, class S>
-void direct_scores(int64_t n, int64_t D, const A* qs, const Rows<S>& k, A* s, int64_t lds, const RowsAhead<S>& ahead) {
+template <int M, class Dot, class A, class S>
+void direct_scores(int64_t n, int64_t D, const typename Dot::Q* q, int64_t ldq, const Rows<S>& k, A* s, int64_t lds,
+                   const RowsAhead<S>& ahead) {
   using V = typename Simd<A>::V;
+  using QV = decltype(Dot::q(q));
   constexpr int W = Simd<A>::W, KR = W / M;
   static_assert(W % M == 0, "M divides the vector width");
-  const int64_t dv = D / W * W;
+  const int64_t dv = D / Dot::kStep * Dot::kStep;
+  // x (the sum over whole vectors) plus the elements past them, one at a time.
+  auto finish = [&](A x, int r, const S* kr) {
+    for (int64_t d = dv; d < D; ++d) x += to_acc(q[r * ldq + d]) * to_acc(kr[d]);
+    return x;
+  };
   int64_t c = 0;
   for (; c + KR <= n; c += KR) {
     const S* kr[KR];
@@ -113,56 +134,48 @@ void direct_scores(int64_t n, int64_t D, const A* qs, const Rows<S>& k, A* s, in
     }
     V acc[M * KR];
     for (int i = 0; i < M * KR; ++i) acc[i] = V{};
-    for (int64_t d = 0; d < dv; d += W) {
-      V kv[KR];
-      for (int t = 0; t < KR; ++t) kv[t] = load_as<A>(kr[t] + d);
+    for (int64_t d = 0; d < dv; d += Dot::kStep) {
+      QV kv[KR];
+      for (int t = 0; t < KR; ++t) kv[t] = Dot::k(kr[t] + d);
       for (int r = 0; r < M; ++r) {
-        const V qv = vload<V>(qs + r * D + d);
-        for (int t = 0; t < KR; ++t) acc[r * KR + t] = vfma(qv, kv[t], acc[r * KR + t]);
+        const QV qv = Dot::q(q + r * ldq + d);
+        for (int t = 0; t < KR; ++t) acc[r * KR + t] = Dot::mac(acc[r * KR + t], qv, kv[t]);
       }
     }
     const V sums = lane_sums(acc);
     for (int r = 0; r < M; ++r)
-      for (int t = 0; t < KR; ++t) {
-        A x = sums[r * KR + t];
-        for (int64_t d = dv; d < D; ++d) x += qs[r * D + d] * to_acc(kr[t][d]);
-        s[r * lds + c + t] = x;
-      }
+      for (int t = 0; t < KR; ++t) s[r * lds + c + t] = finish(sums[r * KR + t], r, kr[t]);
   }
   for (; c < n; ++c) {  // the last positions, one at a time
     ahead.fetch(c);
     const S* kr = k(c);
     V acc[M];
     for (int r = 0; r < M; ++r) acc[r] = V{};
-    for (int64_t d = 0; d < dv; d += W) {
-      const V kv = load_as<A>(kr + d);
-      for (int r = 0; r < M; ++r) acc[r] = vfma(vload<V>(qs + r * D + d), kv, acc[r]);
+    for (int64_t d = 0; d < dv; d += Dot::kStep) {
+      const QV kv = Dot::k(kr + d);
+      for (int r = 0; r < M; ++r) acc[r] = Dot::mac(acc[r], Dot::q(q + r * ldq + d), kv);
     }
-    for (int r = 0; r < M; ++r) {
-      A x = hsum(acc[r]);
-      for (int64_t d = dv; d < D; ++d) x += qs[r * D + d] * to_acc(kr[d]);
-      s[r * lds + c] = x;
-    }
+    for (int r = 0; r < M; ++r) s[r * lds + c] = finish(hsum(acc[r]), r, kr);
   }
 }
 
-// s = the scores of m <= kDirectRows rows (qs: [m][D], and zero rows up to
-// the next multiple of 4 where m % 4 == 3: three rows run as four).
-template <class A, class S>
-void direct_scores_rows(int64_t m, int64_t n, int64_t D, const A* qs, const Rows<S>& k, A* s, int64_t lds,
-                        const RowsAhead<S>& ahead) {
+// s = the scores of m <= kDirectRows rows (q: rows ldq apart, zero rows up
+// to the next multiple of 4 where m % 4 == 3: three rows run as four).
+template <class Dot, class A, class S>
+void direct_scores_rows(int64_t m, int64_t n, int64_t D, const typename Dot::Q* q, int64_t ldq, const Rows<S>& k, A* s,
+                        int64_t lds, const RowsAhead<S>& ahead) {
   constexpr int kStep = Simd<A>::W % 4 == 0 ? 4 : 2;  // rows per pass: 4 where they divide the width
   for (int64_t r = 0; r < m; r += kStep) {
     const int64_t rows = std::min<int64_t>(kStep, m - r);
-    const A* q = qs + r * D;
+    const typename Dot::Q* qr = q + r * ldq;
     A* sr = s + r * lds;
     const RowsAhead<S> a = r == 0 ? ahead : RowsAhead<S>{};  // the first pass asks for them
     if (rows == 1) {
-      direct_scores<1>(n, D, q, k, sr, lds, a);
+      direct_scores<1, Dot>(n, D, qr, ldq, k, sr, lds, a);
     } else if (rows == 2) {
-      direct_scores<2>(n, D, q, k, sr, lds, a);
+      direct_scores<2, Dot>(n, D, qr, ldq, k, sr, lds, a);
     } else if constexpr (kStep == 4) {
-      direct_scores<4>(n, D, q, k, sr, lds, a);
+      direct_scores<4, Dot>(n, D, qr, ldq, k, sr, lds, a);
     }
   }
 }
@@ -209,13 +222,13 @@ void direct_pv(int64_t c0, int64_t c1, int64_t Dv, const A* p, int64_t ldp, cons
   }
 }
 
-// o += p v for m <= kDirectRows rows, row r's weights nonzero in [lbs[r],
-// nvs[r]) only (nullptr: [0, n)).
-template <class A, class S>
-void direct_pv_rows(int64_t m, int64_t n, int64_t Dv, const A* p, int64_t ldp, const Rows<S>& v, A* o, int64_t ldo,
-                    const int64_t* lbs, const int64_t* nvs, const RowsAhead<S>& ahead) {
-  // Accumulators: 16 of AVX-512's 32 registers, 8 of AVX2's 16 (and of SSE's).
-  constexpr int kAcc = Simd<A>::W * static_cast<int>(sizeof(A)) >= 64 ? 16 : 8;
+// pv(r, rows, c0, c1, ahead) for the groups of up to 4 of m rows, [c0, c1)
+// the positions any row of the group attends (row r's in [lbs[r], nvs[r]);
+// nvs nullptr: [0, n)); a group that attends nothing is skipped, the first
+// asks for `ahead`.
+template <class S, class F>
+DIMATTN_INLINE void pv_row_groups(int64_t m, int64_t n, const int64_t* lbs, const int64_t* nvs,
+                                  const RowsAhead<S>& ahead, F&& pv) {
   for (int64_t r = 0; r < m; r += 4) {
     const int64_t rows = std::min<int64_t>(4, m - r);
     int64_t c0 = 0, c1 = n;
@@ -224,14 +237,25 @@ void direct_pv_rows(int64_t m, int64_t n, int64_t Dv, const A* p, int64_t ldp, c
       c1 = *std::max_element(nvs + r, nvs + r + rows);
       if (c1 <= c0) continue;
     }
+    pv(r, rows, c0, c1, r == 0 ? ahead : RowsAhead<S>{});
+  }
+}
+
+// o += p v for m <= kDirectRows rows, row r's weights nonzero in [lbs[r],
+// nvs[r]) only (nullptr: [0, n)).
+template <class A, class S>
+void direct_pv_rows(int64_t m, int64_t n, int64_t Dv, const A* p, int64_t ldp, const Rows<S>& v, A* o, int64_t ldo,
+                    const int64_t* lbs, const int64_t* nvs, const RowsAhead<S>& ahead) {
+  // Accumulators: 16 of AVX-512's 32 registers, 8 of AVX2's 16 (and of SSE's).
+  constexpr int kAcc = Simd<A>::W * static_cast<int>(sizeof(A)) >= 64 ? 16 : 8;
+  pv_row_groups(m, n, lbs, nvs, ahead, [&](int64_t r, int64_t rows, int64_t c0, int64_t c1, const RowsAhead<S>& a) {
     const A* pr = p + r * ldp;
     A* orow = o + r * ldo;
-    const RowsAhead<S> a = r == 0 ? ahead : RowsAhead<S>{};
     switch (rows) {
       case 1: direct_pv<1, kAcc>(c0, c1, Dv, pr, ldp, v, orow, ldo, a); break;
       case 2: direct_pv<2, kAcc / 2>(c0, c1, Dv, pr, ldp, v, orow, ldo, a); break;
       case 3: direct_pv<3, kAcc / 4>(c0, c1, Dv, pr, ldp, v, orow, ldo, a); break;
       default: direct_pv<4, kAcc / 4>(c0, c1, Dv, pr, ldp, v, orow, ldo, a); break;
     }
-  }
+  });
 }

@@ -54,7 +54,6 @@ struct ForwardScratch {
   Arena<A> arena;
   Operands ops;
   A *s, *o, *m, *l, *z;
-  A* qd;  // the direct products' query rows (direct.h): [kDirectRows][D], in score units
   std::vector<int64_t> nv;  // per row: end of its valid positions in the current tile
   std::vector<int64_t> lb;  // per row: start of them (windows, segment runs)
   std::vector<BlockHead<A>> heads;  // of the current block (at most one per row)
@@ -77,14 +76,13 @@ struct ForwardScratch {
         dvp(round_up(std::max<int64_t>(p.head_dim_v, 1), Simd<A>::W)),
         slots(reuse ? slots_for(p, bq, bk, ldk, dvp) : 1),
         arena(Operands::need(bq, bk, p.head_dim, ldk, dvp, slots) +
-              Arena<A>::need({bq * ldk, bq * dvp, bq, bq, ldk, kDirectRows * p.head_dim})),
+              Arena<A>::need({bq * ldk, bq * dvp, bq, bq, ldk})),
         ops(arena, bq, bk, p.head_dim, ldk, dvp, slots) {
     s = arena.take(bq * ldk);
     o = arena.take(bq * dvp);
     m = arena.take(bq);
     l = arena.take(bq);
     z = arena.take(ldk);
-    qd = arena.take(kDirectRows * p.head_dim);
     nv.resize(static_cast<size_t>(bq));
     lb.resize(static_cast<size_t>(bq));
     heads.resize(static_cast<size_t>(bq));
@@ -186,11 +184,11 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
       kv_hi = std::max(kv_hi, hd.mask.hi_max(r0, hd.rv));
     }
   }
-  // Few rows (decoding): the direct products (direct.h) read k and v rows in
-  // place, no packing. v's rows are read in whole vectors, so Dv must be a
-  // multiple of the vector width; Dv = 0 (an empty value feature dim) packs
-  // instead: the padded width of an empty v would be read past its end
-  // (found by fuzz_dot_attention).
+  // Few rows (decoding): the direct products (ops.direct_scores, direct.h)
+  // read k and v rows in place, no packing. v's rows are read in whole
+  // vectors, so Dv must be a multiple of the vector width; Dv = 0 (an empty
+  // value feature dim) packs instead: the padded width of an empty v would be
+  // read past its end (found by fuzz_dot_attention).
   const bool direct = m <= kDirectRows && Dv > 0 && Dv % W == 0;
   for (int64_t g = 0; g < br.heads; ++g) {
     const BlockHead<A>& hd = heads[g];
@@ -198,14 +196,10 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
     const Rows<S> q = strided_rows(static_cast<const S*>(p.q) + b * p.q_strides.batch + hd.h * p.q_strides.head +
                                        r0 * qrs,
                                    qrs);
-    if (direct)
-      pack_rows(q, hd.rv - r0, D, w.qd + hd.row0 * D, D, qmul);
-    else
-      ops.pack_q(q, hd.rv - r0, qmul, hd.row0);
+    ops.pack_q(q, hd.rv - r0, qmul, hd.row0);
   }
-  if (direct) fill(w.qd + m * D, (round_up(m, 4) - m) * D, A(0));  // three rows run as four
   // What the products' scores are still to be multiplied by.
-  const A smul = direct ? A(1) : ops.score_mul();
+  const A smul = ops.score_mul();
   if (rel) {
     const S* q = static_cast<const S*>(p.q) + b * p.q_strides.batch + br.h0 * p.q_strides.head;
     rel->begin(p, b, br.h0, q, qrs, r0, m, k.base, k.rs, kv_len, qmul / smul);
@@ -260,7 +254,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
     const int64_t next_n = std::min(w.bk, kv_end - j0 - w.bk);  // the next tile's positions (<= 0: none)
     typename Operands::VMat vmat{};
     if (direct) {
-      direct_scores_rows(m, n, D, w.qd, kt, w.s, ldk, RowsAhead<S>{&vt, n, Dv * static_cast<int64_t>(sizeof(S))});
+      ops.direct_scores(m, n, kt, w.s, RowsAhead<S>{&vt, n, Dv * static_cast<int64_t>(sizeof(S))});
     } else {
       const int64_t slot = w.tile(k, v, Dv, kv_len, b, hk, j0 / w.bk);
       ops.scores(slot, m, np, w.s, lbs, nvs);
@@ -321,10 +315,8 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
       // 0 on the row's first tile; vexp2 (no library call per row and tile):
       // exactly 1 when the max is unchanged, exactly 0 from -inf.
       const A alpha = vexp2(Simd<A>::splat(w.m[r] - mnew))[0];
-      // Coarse exponentials only for weights rounded to bfloat16 (the direct
-      // products use them as they are).
-      const A sum = direct ? exp2_row<false>(sr, nr, mul, mnew)
-                           : exp2_row<Operands::kRoundedWeights>(sr, nr, mul, mnew);
+      // Coarse exponentials only for weights rounded to bfloat16.
+      const A sum = exp2_row<Operands::kRoundedWeights>(sr, nr, mul, mnew);
       fill(srow, lb0, A(0));
       fill(srow + npr, np - npr, A(0));  // read by P V up to the row block's longest prefix
       w.l[r] = w.l[r] * alpha + sum;
@@ -350,12 +342,11 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
           fill(srow, np, A(0));
         else
           row_weights(hd, r, i, srow);
-        if (!direct) ops.weights_ready(r, srow, np);
+        ops.weights_ready(r, srow, np);
       }
     }
     if (direct)
-      direct_pv_rows(m, n, Dv, w.s, ldk, vt, w.o, dvp, lbs, nvs,
-                     RowsAhead<S>{&kn, next_n, D * static_cast<int64_t>(sizeof(S))});
+      ops.direct_pv(m, n, Dv, w.s, vt, w.o, dvp, lbs, nvs, RowsAhead<S>{&kn, next_n, D * static_cast<int64_t>(sizeof(S))});
     else
       ops.add_pv(m, n, w.s, vmat, w.o, dvp, lbs, nvs);
   }

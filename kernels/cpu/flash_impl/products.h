@@ -22,8 +22,6 @@ struct ForwardOperands {
   // Whether the products round the weights P (and dS) to bfloat16: then their
   // exponentials need no more than vexp2<true>'s 3.5e-6 (flash_impl/simd.h).
   static constexpr bool kRoundedWeights = false;
-  // Whether few query rows may read k and v in place (scores_direct).
-  static constexpr bool kDirect = std::is_same_v<S, A>;
   using VMat = BMat<A>;
   int64_t D, bk, ldk;
   int64_t kslot, vslot;  // elements per packed k and v tile
@@ -68,6 +66,19 @@ struct ForwardOperands {
   // (nullptr: [0, n)) and zeros around them up to whole vectors.
   void add_pv(int64_t m, int64_t n, A* w, const VMat& v, A* o, int64_t dvp, const int64_t* lbs, const int64_t* nvs) {
     gemm_add(m, dvp, n, w, ldk, v, o, dvp, Ragged{nullptr, lbs, nvs});
+  }
+
+  // Few rows (m <= kDirectRows, decoding): scores and add_pv's sums by the
+  // direct products (direct.h), which read the tile's k and v rows in place
+  // (nothing packed), q as pack_q left it; `ahead`: rows to ask towards L2
+  // meanwhile.
+  void direct_scores(int64_t m, int64_t n, const Rows<S>& k, A* s, const RowsAhead<S>& ahead) {
+    fill(q + m * D, (round_up(m, 4) - m) * D, A(0));  // three rows run as four
+    direct_scores_rows<FmaDot<A, S>>(m, n, D, q, D, k, s, ldk, ahead);
+  }
+  void direct_pv(int64_t m, int64_t n, int64_t Dv, A* w, const Rows<S>& v, A* o, int64_t dvp, const int64_t* lbs,
+                 const int64_t* nvs, const RowsAhead<S>& ahead) {
+    direct_pv_rows(m, n, Dv, w, ldk, v, o, dvp, lbs, nvs, ahead);
   }
 };
 
