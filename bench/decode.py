@@ -5,6 +5,7 @@ over its time against the machine's read bandwidth, measured here by a read-only
     python bench/decode.py                 # the grid docs/perf.md draws from
     python bench/decode.py --quick         # a few rows
     python bench/decode.py --svg docs/decode.svg
+    python bench/decode.py --dtype bfloat16 --cache 32768 --B 1   # a part of the grid
 
 Each call's query rows are the last positions of their sequence (causal, bottom-right);
 D = 128, 32 query heads over 8 kv heads (GQA) or 1 (multi-query). Caches rotate
@@ -170,6 +171,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--svg", help="write the plot here")
+    ap.add_argument("--dtype", help="only the grid's rows of these dtypes (comma-separated), e.g. bfloat16")
+    ap.add_argument("--cache", help="only the grid's rows of these cache lengths (comma-separated), e.g. 32768")
+    ap.add_argument("--B", help="only the grid's rows of these batch sizes (comma-separated)")
     a = ap.parse_args()
     model, flags = cpu_info()
     print(f"# {model}; {flags}; torch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -178,7 +182,10 @@ def main():
           "| ATen ms | ATen / dimattn |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
-    for spec in grid(a.quick):
+    def wanted(spec):
+        B, _, S, _, _, dtype, _ = spec
+        return all(sel is None or str(v) in sel.split(",") for sel, v in ((a.dtype, dtype), (a.cache, S), (a.B, B)))
+    for spec in filter(wanted, grid(a.quick)):
         r = row(*spec, rounds=a.rounds)
         rows.append(r)
         for layout in spec[-1]:
