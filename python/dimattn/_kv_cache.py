@@ -96,6 +96,9 @@ def _run(q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, causal, 
                         "(torch.compiler.disable) or under torch.no_grad()")
         out, kernel = kv_cache_attention_opaque(*args), None
     else:
+        # Inline, not shared with kv_cache_attention_opaque through a helper:
+        # after the graph break of a gradient call dynamo would trace the
+        # helper as a frame of its own, into the composite op.
         try:
             out, kernel = ops.kv_cache_attention(*args)
         except RuntimeError as err:

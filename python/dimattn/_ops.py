@@ -91,4 +91,3 @@ def _dot_attention_lse_fake(query, keys, values, *args, **kwargs):
 @torch.library.register_fake("dimattn::dot_attention_backward.lse")
 def _dot_attention_backward_lse_fake(grad_output, output, lse, query, keys, values, *args, **kwargs):
     return _dot_attention_backward_fake(grad_output, query, keys, values, *args, **kwargs)
-
