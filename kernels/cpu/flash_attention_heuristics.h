@@ -41,16 +41,19 @@ constexpr bool fwd_decode(int64_t seqlen_q) { return seqlen_q <= 16; }
 // its blocks (batch entries x kv heads x head groups) are fewer than
 // decode_min_tasks(): one sequence over 8 kv heads (or one, multi-query)
 // would otherwise leave most threads of a large machine idle. A chunk spans
-// at least decode_min_chunk_positions(), so that the merge (one pass over
-// the rows' states) stays small next to reading the chunk. Depends on the
-// shape only: any pool gets the same chunks and the same result.
+// at least decode_min_chunk_positions() positions of one kv head, so that
+// the merge (one pass over the rows' states) stays small next to reading
+// the chunk. Depends on the shape only: any pool gets the same chunks and
+// the same result.
 constexpr int64_t decode_min_tasks() { return 64; }
 constexpr int64_t decode_min_chunk_positions() { return 2048; }
-// Tiles per chunk for `blocks` decoding blocks over `tiles` kv tiles of bk positions.
-constexpr int64_t decode_chunk_tiles(int64_t blocks, int64_t tiles, int64_t bk) {
+// Tiles per chunk for `blocks` decoding blocks over `tiles` kv tiles of bk
+// positions, each block reading `heads` kv heads (caches that interleave the
+// kv heads: one block reads them all, so its chunks may be that much shorter).
+constexpr int64_t decode_chunk_tiles(int64_t blocks, int64_t tiles, int64_t bk, int64_t heads = 1) {
   if (tiles <= 0 || blocks <= 0) return 1;
   const int64_t want = (decode_min_tasks() + blocks - 1) / blocks;
-  const int64_t min_tiles = std::max<int64_t>(1, decode_min_chunk_positions() / bk);
+  const int64_t min_tiles = std::max<int64_t>(1, decode_min_chunk_positions() / (bk * std::max<int64_t>(heads, 1)));
   const int64_t chunks = std::clamp<int64_t>(want, 1, std::max<int64_t>(1, tiles / min_tiles));
   return (tiles + chunks - 1) / chunks;
 }

@@ -55,10 +55,11 @@ std::vector<CpuIsa> isas() {
   return r;
 }
 
-void check_case(const Case& c, bool backward = true, const std::vector<CpuIsa>& on = isas()) {
+// threads: the pool's; with 1 the kernel's task ranges hold every task.
+void check_case(const Case& c, bool backward = true, const std::vector<CpuIsa>& on = isas(), int threads = 2) {
   const Inputs in = make_inputs(c);
   const Oracle ref = oracle(c, in);
-  ThreadPool pool(2);
+  ThreadPool pool(threads);
   for (CpuIsa isa : on) {
     SCOPED_TRACE(c.name + " isa=" + cpu_isa_name(isa) + " dtype=" + element_type_name(c.dtype));
     KernelRun r = prepare(c, in);

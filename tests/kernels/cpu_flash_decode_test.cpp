@@ -12,12 +12,14 @@ namespace {
 // The fewest chunks forward_decode splits a case's kv positions into on
 // any instruction set (cpu_flash::decode_chunk_tiles; its tiles depend on the
 // vector width: 8 float lanes for AVX2, 16 for AVX-512; one block per batch
-// entry and kv head when a kv head's query heads fit one block).
-int64_t decode_chunks(const Case& c) {
+// entry and kv head when a kv head's query heads fit one block, or per batch
+// entry over every kv head where the layout interleaves them).
+int64_t decode_chunks(const Case& c, bool interleaved = false) {
   int64_t fewest = INT64_MAX;
   for (int lanes : {4, 8, 16}) {
     const int64_t bk = cpu_flash::fwd_block_k(c.D, lanes), tiles = (c.Tk + bk - 1) / bk;
-    const int64_t per = cpu_flash::decode_chunk_tiles(c.B * c.Hkv, tiles, bk);
+    const int64_t per = interleaved ? cpu_flash::decode_chunk_tiles(c.B, tiles, bk, c.Hkv)
+                                    : cpu_flash::decode_chunk_tiles(c.B * c.Hkv, tiles, bk);
     fewest = std::min(fewest, (tiles + per - 1) / per);
   }
   return fewest;
@@ -88,6 +90,33 @@ TEST(CpuFlashDecode, SplitCacheMergesToTheUnsplitResult) {
   EXPECT_EQ(ran, 24);
 }
 
+TEST(CpuFlashDecode, InterleavedHeadsSplitShortCaches) {
+  // A cache whose layout interleaves the kv heads (rows of every head, or
+  // pools of small heads-outer blocks) runs one task per chunk over all of
+  // them, so its chunks may be Hkv times shorter: caches too short to split
+  // per kv head still split, and the tasks' next-tile prefetch crosses into
+  // the next chunk and the next entry (one thread: a range of every task).
+  // Entry 1 ends inside a chunk.
+  int ran = 0;
+  for (ElementType t : {ElementType::float32, ElementType::bfloat16, ElementType::float16})
+    for (int64_t ps : {0, 16})
+      for (bool heads_outer : {false, true}) {
+        if (ps == 0 && heads_outer) continue;  // contiguous heads-outer: a block per kv head
+        Case c = base("interleaved short cache ps=" + std::to_string(ps) + (heads_outer ? " heads-outer" : ""), t);
+        c.B = 2, c.H = 8, c.Hkv = 4, c.Tq = 1, c.Tk = 1100, c.D = c.Dv = 64, c.causal = true;
+        c.layout = Layout::bthd, c.page_size = ps, c.heads_outer = heads_outer;
+        c.kv_lens = {1100, 700};
+        c.offsets = {1099, 699};
+        ASSERT_EQ(decode_chunks(c), 1) << "per kv head the cache would not split";
+        ASSERT_GE(decode_chunks(c, true), 2) << "the case must split its cache";
+        for (int threads : {1, 2}) {
+          check_case(c, false, isas(), threads);
+          ++ran;
+        }
+      }
+  EXPECT_EQ(ran, 18);
+}
+
 TEST(CpuFlashDecode, ChunkingDependsOnTheShapeOnly) {
   // Many blocks: one chunk each; few: the cache splits, never below
   // decode_min_chunk_positions a chunk.
@@ -96,6 +125,10 @@ TEST(CpuFlashDecode, ChunkingDependsOnTheShapeOnly) {
   const int64_t one = cpu_flash::decode_chunk_tiles(1, tiles, bk);
   EXPECT_LT(one, tiles);
   EXPECT_GE(one * bk, cpu_flash::decode_min_chunk_positions());
+  // A block over 8 interleaved kv heads: shorter chunks, as many positions of all heads.
+  const int64_t all = cpu_flash::decode_chunk_tiles(1, tiles, bk, 8);
+  EXPECT_LT(all, one);
+  EXPECT_GE(all * bk * 8, cpu_flash::decode_min_chunk_positions());
 }
 
 // Paged caches: forward only (the kernel reads pools; gradients go to tensors).

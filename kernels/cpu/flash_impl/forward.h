@@ -392,22 +392,13 @@ void forward_decode(const AttentionKernelParams& p, const ParallelFor& parallel_
   const int64_t nhb = (G + hb - 1) / hb;  // head groups per kv head
   const int64_t blocks = p.batch * p.kv_heads * nhb;
   if (blocks == 0) return;
-  const int64_t ntiles = (p.seqlen_k + bk - 1) / bk;
-  const int64_t chunk_tiles = cpu_flash::decode_chunk_tiles(blocks, ntiles, bk);
-  const int64_t chunks = ntiles == 0 ? 1 : (ntiles + chunk_tiles - 1) / chunk_tiles;
-  const int64_t chunk_len = chunk_tiles * bk;
-  const DropoutSpec<A> drop(p);
-  const MaskTiles tiles(p, bk, parallel_for);
-  auto block = [&](int64_t t) {
-    const int64_t b = t / (p.kv_heads * nhb), hk = t / nhb % p.kv_heads, g0 = t % nhb * hb;
-    return BlockRows{b, hk * G + g0, std::min(hb, G - g0), 0, Tq};
-  };
   // Kv heads interleaved within each position's row (a [batch, positions,
   // kv heads, D] cache, or pools of that layout): a block per kv head reads
   // 1/Hkv of every row, strides that leave memory idle. Then one task takes
   // every kv head of its chunk, tile by tile: it prefetches the next tile's
-  // whole rows towards L2 and runs each head's block over the tile,
-  // resuming the rows' states.
+  // whole rows towards L2 (across its chunks: the next task's first tile)
+  // and runs each head's block over the tile, resuming the rows' states.
+  // Its chunks hold every head, so they may be Hkv times shorter.
   // Pools of small heads-outer blocks ([blocks, kv heads, block_size, D])
   // interleave the heads block by block: the same, a tile's blocks whole.
   const bool heads_in_rows = p.k_strides.head < p.k_strides.row && p.v_strides.head < p.v_strides.row;
@@ -416,6 +407,17 @@ void forward_decode(const AttentionKernelParams& p, const ParallelFor& parallel_
       p.v_strides.head >= p.pages.block_size * p.v_strides.row &&
       std::max(p.pages.k_block_stride, p.pages.v_block_stride) * static_cast<int64_t>(sizeof(S)) <= (int64_t{256} << 10);
   const bool interleaved = p.kv_heads > 1 && (heads_in_rows || heads_in_blocks);
+  const int64_t ntiles = (p.seqlen_k + bk - 1) / bk;
+  const int64_t chunk_tiles = interleaved ? cpu_flash::decode_chunk_tiles(p.batch * nhb, ntiles, bk, p.kv_heads)
+                                          : cpu_flash::decode_chunk_tiles(blocks, ntiles, bk);
+  const int64_t chunks = ntiles == 0 ? 1 : (ntiles + chunk_tiles - 1) / chunk_tiles;
+  const int64_t chunk_len = chunk_tiles * bk;
+  const DropoutSpec<A> drop(p);
+  const MaskTiles tiles(p, bk, parallel_for);
+  auto block = [&](int64_t t) {
+    const int64_t b = t / (p.kv_heads * nhb), hk = t / nhb % p.kv_heads, g0 = t % nhb * hb;
+    return BlockRows{b, hk * G + g0, std::min(hb, G - g0), 0, Tq};
+  };
   if (chunks == 1 && !interleaved) {
     parallel_for(0, blocks, [&](int64_t t0, int64_t t1) {
       ForwardScratch<S, A> w(p, bq, bk, false);
@@ -453,22 +455,36 @@ void forward_decode(const AttentionKernelParams& p, const ParallelFor& parallel_
         r += bs - in;
       }
     };
+    // Task t's chunk: its entry, head group and positions [c0, c1), of which
+    // [c0, len) hold the entry's cache.
+    struct Chunk {
+      int64_t b, g, c, c0, c1, len;
+    };
+    auto chunk_of = [&](int64_t t) {
+      Chunk x{t / per_entry, t / chunks % nhb, t % chunks, 0, 0, 0};
+      x.c0 = x.c * chunk_len, x.c1 = std::min(p.seqlen_k, (x.c + 1) * chunk_len);
+      x.len = p.kv_lengths ? std::min(x.c1, p.kv_lengths[x.b]) : x.c1;
+      return x;
+    };
     parallel_for(0, p.batch * per_entry, [&](int64_t t0, int64_t t1) {
       ForwardScratch<S, A> w(p, bq, bk, false);
+      Chunk x = chunk_of(t0);
+      if (x.c0 < x.len) prefetch_tile(x.b, x.c0, std::min(bk, x.len - x.c0));
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t b = t / per_entry, g = t / chunks % nhb, c = t % chunks;
-        const int64_t c0 = c * chunk_len, c1 = std::min(p.seqlen_k, (c + 1) * chunk_len);
-        const int64_t len = p.kv_lengths ? std::min(c1, p.kv_lengths[b]) : c1;
-        if (c0 < len) prefetch_tile(b, c0, std::min(bk, len - c0));
-        for (int64_t j0 = c0; j0 < c1; j0 += bk) {
-          if (j0 + bk < len) prefetch_tile(b, j0 + bk, std::min(bk, len - j0 - bk));
+        const Chunk next = t + 1 < t1 ? chunk_of(t + 1) : Chunk{};
+        for (int64_t j0 = x.c0; j0 < x.c1; j0 += bk) {
+          if (j0 + bk < x.len)
+            prefetch_tile(x.b, j0 + bk, std::min(bk, x.len - j0 - bk));
+          else if (j0 + bk >= x.c1 && next.c0 < next.len)
+            prefetch_tile(next.b, next.c0, std::min(bk, next.len - next.c0));
           for (int64_t hk = 0; hk < p.kv_heads; ++hk) {
-            const int64_t blk = (b * p.kv_heads + hk) * nhb + g;
-            ChunkState<A> st = state_of(blk, c);
-            st.resume = j0 > c0;
-            forward_block<S, A>(p, drop, tiles, block(blk), j0, std::min(c1, j0 + bk), w, nullptr, &st);
+            const int64_t blk = (x.b * p.kv_heads + hk) * nhb + x.g;
+            ChunkState<A> st = state_of(blk, x.c);
+            st.resume = j0 > x.c0;
+            forward_block<S, A>(p, drop, tiles, block(blk), j0, std::min(x.c1, j0 + bk), w, nullptr, &st);
           }
         }
+        x = next;
       }
     });
   } else {
