@@ -70,6 +70,8 @@ struct Rows {
   }
   // Whether rows [0, n) lie rs apart (then (*this)(0) + r * rs is row r).
   bool strided(int64_t n) const { return table == nullptr || n <= 1 || first / block == (first + n - 1) / block; }
+  // Whether rows [0, n) of `cols` elements lie back to back, one run of memory.
+  bool back_to_back(int64_t n, int64_t cols) const { return rs == cols && strided(n); }
 };
 template <class S>
 Rows<S> strided_rows(const S* base, int64_t rs) {
