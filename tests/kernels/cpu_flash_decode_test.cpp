@@ -49,24 +49,28 @@ TEST(CpuFlashDecode, QueryHeadsOfAKvHeadShareItsTiles) {
 }
 
 TEST(CpuFlashDecode, DirectProductsOverOddShapes) {
-  // The direct products (at most 8 rows, k and v read in place; bfloat16 on
+  // The direct products (at most 16 rows, k and v read in place; bfloat16 on
   // avx512_bf16 as pairs of elements and of positions): head dims past whole
   // vectors (D = 40 and 24: a scalar tail; Dv = 16 and 48: half a block of
-  // pairs), 3 rows (run as four) and 6 (four and two), odd kv lengths (a
-  // position without a partner), rows bounded inside a tile (a window).
+  // pairs), 3 rows (run as four), 6 (four and two), 14, 15 and 16 (passes of
+  // four over the tile, the last one short), odd kv lengths (a position
+  // without a partner), rows bounded inside a tile (a window).
   int ran = 0;
   for (ElementType t : kAllTypes)
     for (const auto& [d, dv] : {std::pair<int64_t, int64_t>{40, 16}, {24, 48}})
-      for (int64_t tq : {1, 3}) {
-        Case c = base("direct D=" + std::to_string(d) + " Dv=" + std::to_string(dv) + " Tq=" + std::to_string(tq), t);
-        c.B = 2, c.H = tq == 1 ? 3 : 2, c.Hkv = 1, c.Tq = tq, c.Tk = 301, c.D = d, c.Dv = dv, c.causal = true;
+      for (const auto& [tq, h] : {std::pair<int64_t, int64_t>{1, 3}, {3, 2}, {7, 2}, {5, 3}, {8, 2}}) {
+        Case c = base("direct D=" + std::to_string(d) + " Dv=" + std::to_string(dv) + " Tq=" + std::to_string(tq) +
+                          " rows=" + std::to_string(tq * h),
+                      t);
+        c.B = 2, c.H = h, c.Hkv = 1, c.Tq = tq, c.Tk = 301, c.D = d, c.Dv = dv, c.causal = true;
         c.kv_lens = {301, 77};
         c.offsets = {301 - tq, 77 - tq};
-        if (tq == 3) c.window_left = 50;
+        if (tq > 1) c.window_left = 50;
+        ASSERT_LE(tq * h, cpu_flash::decode_direct_rows()) << c.name;
         check_case(c);
         ++ran;
       }
-  EXPECT_EQ(ran, 16);
+  EXPECT_EQ(ran, 40);
 }
 
 TEST(CpuFlashDecode, SplitCacheMergesToTheUnsplitResult) {

@@ -1,16 +1,14 @@
 // Few query rows (decoding): the products of a forward block of at most
-// kDirectRows rows, reading the kv rows in place — strided, or through a
-// paged cache's block table (packing.h's Rows) — and converting them to the
-// accumulation type on load. A tile that no other row block reads would pay
-// for its packing with nothing in return, and decoding is bound by reading
-// the cache: every kv byte is read once, straight into registers.
+// cpu_flash::decode_direct_rows() rows, reading the kv rows in place — strided,
+// or through a paged cache's block table (packing.h's Rows) — and converting
+// them to the accumulation type on load. A tile that no other row block reads
+// would pay for its packing with nothing in return, and decoding is bound by
+// reading the cache: every kv byte is read once, straight into registers.
 // A part of cpu/flash_attention_impl.h, which says what includes it and how.
 #ifndef DIMATTN_CPU_FLASH_PARTS
 #error "included by cpu/flash_attention_impl.h only"
 #endif
 
-// Rows of a block that take the direct products.
-constexpr int64_t kDirectRows = 8;
 // How many kv rows ahead the direct products prefetch the rows they will
 // read (within the tile: past it a paged table may end). The hardware's
 // prefetchers alone left a heads-outer float32 cache at 17 ms per call for
@@ -203,8 +201,8 @@ void direct_scores(int64_t n, int64_t D, const typename Dot::Q* q, int64_t ldq, 
   }
 }
 
-// s = the scores of m <= kDirectRows rows (q: rows ldq apart, zero rows up
-// to the next multiple of 4 where m % 4 == 3: three rows run as four).
+// s = the scores of m <= decode_direct_rows() rows (q: rows ldq apart, zero
+// rows up to the next multiple of 4 where m % 4 == 3: three rows run as four).
 template <class Dot, class A, class S>
 void direct_scores_rows(int64_t m, int64_t n, int64_t D, const typename Dot::Q* q, int64_t ldq, const Rows<S>& k, A* s,
                         int64_t lds, const RowsAhead<S>& ahead) {
@@ -286,8 +284,8 @@ DIMATTN_INLINE void pv_row_groups(int64_t m, int64_t n, const int64_t* lbs, cons
   }
 }
 
-// o += p v for m <= kDirectRows rows, row r's weights nonzero in [lbs[r],
-// nvs[r]) only (nullptr: [0, n)).
+// o += p v for m <= decode_direct_rows() rows, row r's weights nonzero in
+// [lbs[r], nvs[r]) only (nullptr: [0, n)).
 template <class A, class S>
 void direct_pv_rows(int64_t m, int64_t n, int64_t Dv, const A* p, int64_t ldp, const Rows<S>& v, A* o, int64_t ldo,
                     const int64_t* lbs, const int64_t* nvs, const RowsAhead<S>& ahead) {

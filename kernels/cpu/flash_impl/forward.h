@@ -189,7 +189,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
   // vectors, so Dv must be a multiple of the vector width; Dv = 0 (an empty
   // value feature dim) packs instead: the padded width of an empty v would be
   // read past its end (found by fuzz_dot_attention).
-  const bool direct = m <= kDirectRows && Dv > 0 && Dv % W == 0;
+  const bool direct = m <= cpu_flash::decode_direct_rows() && Dv > 0 && Dv % W == 0;
   for (int64_t g = 0; g < br.heads; ++g) {
     const BlockHead<A>& hd = heads[g];
     if (hd.rv <= r0) continue;

@@ -240,8 +240,8 @@ void direct_pair_pv(int64_t c0, int64_t c1, int64_t Dv, const uint16_t* w, int64
   }
 }
 
-// o += w v for m <= kDirectRows rows, row r's weights nonzero in [lbs[r],
-// nvs[r]) only (nullptr: [0, n)), as direct_pv_rows.
+// o += w v for m <= decode_direct_rows() rows, row r's weights nonzero in
+// [lbs[r], nvs[r]) only (nullptr: [0, n)), as direct_pv_rows.
 inline void direct_pair_pv_rows(int64_t m, int64_t n, int64_t Dv, const uint16_t* w, int64_t ldw,
                                 const Rows<uint16_t>& v, float* o, int64_t ldo, const int64_t* lbs, const int64_t* nvs,
                                 const RowsAhead<uint16_t>& ahead) {

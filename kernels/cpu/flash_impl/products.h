@@ -68,8 +68,8 @@ struct ForwardOperands {
     gemm_add(m, dvp, n, w, ldk, v, o, dvp, Ragged{nullptr, lbs, nvs});
   }
 
-  // Few rows (m <= kDirectRows, decoding): scores and add_pv's sums by the
-  // direct products (direct.h), which read the tile's k and v rows in place
+  // Few rows (m <= decode_direct_rows(), decoding): scores and add_pv's sums by
+  // the direct products (direct.h), which read the tile's k and v rows in place
   // (nothing packed), q as pack_q left it; `ahead`: rows to ask towards L2
   // meanwhile.
   void direct_scores(int64_t m, int64_t n, const Rows<S>& k, A* s, const RowsAhead<S>& ahead) {
