@@ -5,9 +5,11 @@
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 namespace dimattn::bench {
 
@@ -34,6 +36,14 @@ double time_call(const std::function<void()>& f) {
   const double t0 = g_cpu_clock ? cpu_s() : now_s();
   f();
   return (g_cpu_clock ? cpu_s() : now_s()) - t0;
+}
+
+double time_on_threads(int threads, const std::function<void(int)>& fn) {
+  const double t0 = now_s();
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) pool.emplace_back(fn, t);
+  for (auto& th : pool) th.join();
+  return now_s() - t0;
 }
 
 double median(std::vector<double> v) {
@@ -128,6 +138,21 @@ std::optional<std::string> value_of(const std::string& arg, const char* name) {
   return arg.substr(prefix.size());
 }
 
+bool threads_and_rounds(int argc, char** argv, const char* tool, int& threads, int& rounds) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (auto x = value_of(a, "--threads"); x && std::atoi(x->c_str()) >= 1) {
+      threads = std::atoi(x->c_str());
+    } else if (auto y = value_of(a, "--rounds"); y && std::atoi(y->c_str()) >= 1) {
+      rounds = std::atoi(y->c_str());
+    } else {
+      std::fprintf(stderr, "usage: %s [--threads=N (>= 1)] [--rounds=N (>= 1)]\n", tool);
+      return false;
+    }
+  }
+  return true;
+}
+
 // ---------------------------------------------------------------------------
 // Text output
 
@@ -172,6 +197,11 @@ void print_table_header(const std::vector<std::string>& columns) {
   for (size_t i = 0; i < columns.size(); ++i) rule += "|---";
   rule += "|\n";
   std::fputs(rule.c_str(), stdout);
+}
+
+void print_run_line(int threads, int rounds) {
+  std::printf("# %s; %s; %d threads, best of %d rounds; %s\n", cpu_model().c_str(), cpu_flags().c_str(), threads,
+              rounds, today().c_str());
 }
 
 }  // namespace dimattn::bench

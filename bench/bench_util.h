@@ -29,6 +29,9 @@ double time_call(const std::function<void()>& f);
 // NAN for no values.
 double median(std::vector<double> v);
 
+// Wall seconds that fn(0), ..., fn(threads - 1) take, each on its own thread.
+double time_on_threads(int threads, const std::function<void(int)>& fn);
+
 // ---------------------------------------------------------------------------
 // The machine (Linux /proc)
 
@@ -50,6 +53,9 @@ std::vector<std::string> split(const std::string& s);
 std::vector<int64_t> split_ints(const std::string& s);
 // "--name=value": value, else nullopt.
 std::optional<std::string> value_of(const std::string& arg, const char* name);
+// The memory benches' options, --threads=N and --rounds=N (each >= 1), into
+// threads and rounds; false, with a usage line on stderr, on anything else.
+bool threads_and_rounds(int argc, char** argv, const char* tool, int& threads, int& rounds);
 
 // ---------------------------------------------------------------------------
 // Text output
@@ -68,6 +74,8 @@ double gflops(double flops, double s);
 // empty cell prints as "| |".
 void print_table_header(const std::vector<std::string>& columns);
 void print_table_row(const std::vector<std::string>& cells);
+// "# cpu; flags; N threads, best of R rounds; date", the memory benches' first line.
+void print_run_line(int threads, int rounds);
 
 // ---------------------------------------------------------------------------
 // JSON values: the one writer of the tools (dimattn/testing/json.h).

@@ -20,9 +20,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <string>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -144,17 +141,7 @@ __attribute__((target("avx512f,fma"))) float stream(Order order, const float* k,
 
 int main(int argc, char** argv) {
   int threads = 2, rounds = 5;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (auto x = b::value_of(a, "--threads"); x && std::atoi(x->c_str()) >= 1) {
-      threads = std::atoi(x->c_str());
-    } else if (auto y = b::value_of(a, "--rounds"); y && std::atoi(y->c_str()) >= 1) {
-      rounds = std::atoi(y->c_str());
-    } else {
-      std::fprintf(stderr, "usage: decode_stream [--threads=N (>= 1)] [--rounds=N (>= 1)]\n");
-      return 2;
-    }
-  }
+  if (!b::threads_and_rounds(argc, argv, "decode_stream", threads, rounds)) return 2;
   if (!__builtin_cpu_supports("avx512f")) {
     std::printf("decode_stream: this CPU has no AVX-512 (the order it measures is cpu_flash's AVX-512 one)\n");
     return 0;
@@ -177,18 +164,12 @@ int main(int argc, char** argv) {
       const float* k = copies[2 * c].data();
       const float* v = copies[2 * c + 1].data();
       std::vector<float> sums(static_cast<size_t>(threads));
-      const double t0 = b::now_s();
-      std::vector<std::thread> pool;
-      for (int t = 0; t < threads; ++t)
-        pool.emplace_back([&, t] {
-          sums[t] = stream(orders[o], k + t * per_thread * kD, v + t * per_thread * kD, per_thread);
-        });
-      for (auto& th : pool) th.join();
-      best[o] = std::min(best[o], b::now_s() - t0);
+      best[o] = std::min(best[o], b::time_on_threads(threads, [&](int t) {
+        sums[t] = stream(orders[o], k + t * per_thread * kD, v + t * per_thread * kD, per_thread);
+      }));
       for (float s : sums) sink += s;
     }
-  std::printf("# %s; %s; %d threads, best of %d rounds; %s\n", b::cpu_model().c_str(), b::cpu_flags().c_str(),
-              threads, rounds, b::today().c_str());
+  b::print_run_line(threads, rounds);
   b::print_table_header({"order", "ms", "GB/s", "time / sum only"});
   for (int o = 0; o < 3; ++o)
     b::print_table_row({names[o], b::fmt("%.2f", best[o] * 1e3), b::fmt("%.1f", bytes / best[o] / 1e9),

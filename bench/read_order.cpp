@@ -16,8 +16,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <string>
-#include <thread>
 #include <vector>
 
 #include "bench_util.h"
@@ -62,17 +60,7 @@ uint64_t read(Order order, const uint64_t* k, const uint64_t* v, int64_t p0, int
 
 int main(int argc, char** argv) {
   int threads = 2, rounds = 7;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (auto x = b::value_of(a, "--threads"); x && std::atoi(x->c_str()) >= 1) {
-      threads = std::atoi(x->c_str());
-    } else if (auto y = b::value_of(a, "--rounds"); y && std::atoi(y->c_str()) >= 1) {
-      rounds = std::atoi(y->c_str());
-    } else {
-      std::fprintf(stderr, "usage: read_order [--threads=N (>= 1)] [--rounds=N (>= 1)]\n");
-      return 2;
-    }
-  }
+  if (!b::threads_and_rounds(argc, argv, "read_order", threads, rounds)) return 2;
   // Two copies of K and V (2 x 256 MiB): a round reads each once, the other
   // copy in between, so that no read comes from the caches.
   const int64_t words = kPositions * kHeads * kWords;
@@ -92,16 +80,12 @@ int main(int argc, char** argv) {
         const uint64_t* k = copies[2 * c].data();
         const uint64_t* v = copies[2 * c + 1].data();
         std::vector<uint64_t> sums(static_cast<size_t>(threads));
-        const double t0 = b::now_s();
-        std::vector<std::thread> pool;
-        for (int t = 0; t < threads; ++t)
-          pool.emplace_back([&, t] { sums[t] = read(orders[o], k, v, t * per_thread, (t + 1) * per_thread); });
-        for (auto& th : pool) th.join();
-        best[o] = std::min(best[o], b::now_s() - t0);
+        best[o] = std::min(best[o], b::time_on_threads(threads, [&](int t) {
+          sums[t] = read(orders[o], k, v, t * per_thread, (t + 1) * per_thread);
+        }));
         for (uint64_t s : sums) sink += s;
       }
-  std::printf("# %s; %s; %d threads, best of %d rounds; %s\n", b::cpu_model().c_str(), b::cpu_flags().c_str(),
-              threads, rounds, b::today().c_str());
+  b::print_run_line(threads, rounds);
   b::print_table_header({"order", "ms", "GB/s", "time / heads-outer"});
   for (int o = 0; o < 3; ++o)
     b::print_table_row({names[o], b::fmt("%.2f", best[o] * 1e3), b::fmt("%.1f", bytes / best[o] / 1e9),
