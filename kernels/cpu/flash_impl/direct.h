@@ -129,7 +129,6 @@ struct FmaDot {
   static DIMATTN_INLINE V q(const Q* p) { return vload<V>(p); }
   static DIMATTN_INLINE V k(const S* p) { return load_as<A>(p); }
   static DIMATTN_INLINE V mac(V acc, V q, V k) { return vfma(q, k, acc); }
-  static constexpr bool kWholeRows = kReadWholeRows<A, S>;
 };
 
 // s[r][c] = q[r] . k(c) for M rows (q: M rows of D elements, ldq apart) and
@@ -159,7 +158,7 @@ void direct_scores(int64_t n, int64_t D, const typename Dot::Q* q, int64_t ldq, 
     }
     V acc[M * KR];
     for (int i = 0; i < M * KR; ++i) acc[i] = V{};
-    if constexpr (Dot::kWholeRows) {  // row after row: q's vectors loaded once per k vector
+    if constexpr (kReadWholeRows<A, S>) {  // row after row: q's vectors loaded once per k vector
       for (int t = 0; t < KR; ++t)
         for (int64_t d = 0; d < dv; d += Dot::kStep) {
           const QV kv = Dot::k(kr[t] + d);
@@ -265,15 +264,15 @@ void direct_pv(int64_t c0, int64_t c1, int64_t Dv, const A* p, int64_t ldp, cons
   }
 }
 
-// pv(r, rows, c0, c1, ahead) for the groups of up to 4 of m rows, [c0, c1)
-// the positions any row of the group attends (row r's in [lbs[r], nvs[r]);
-// nvs nullptr: [0, n)); a group that attends nothing is skipped, the first
-// asks for `ahead`.
-template <class S, class F>
+// pv(r, rows, c0, c1, ahead) for the groups of up to kGroup of m rows,
+// [c0, c1) the positions any row of the group attends (row r's in [lbs[r],
+// nvs[r]); nvs nullptr: [0, n)); a group that attends nothing is skipped,
+// the first asks for `ahead`.
+template <int kGroup = 4, class S, class F>
 DIMATTN_INLINE void pv_row_groups(int64_t m, int64_t n, const int64_t* lbs, const int64_t* nvs,
                                   const RowsAhead<S>& ahead, F&& pv) {
-  for (int64_t r = 0; r < m; r += 4) {
-    const int64_t rows = std::min<int64_t>(4, m - r);
+  for (int64_t r = 0; r < m; r += kGroup) {
+    const int64_t rows = std::min<int64_t>(kGroup, m - r);
     int64_t c0 = 0, c1 = n;
     if (nvs) {
       c0 = *std::min_element(lbs + r, lbs + r + rows);
@@ -291,19 +290,13 @@ void direct_pv_rows(int64_t m, int64_t n, int64_t Dv, const A* p, int64_t ldp, c
                     const int64_t* lbs, const int64_t* nvs, const RowsAhead<S>& ahead) {
   // Accumulators: 16 of AVX-512's 32 registers, 8 of AVX2's 16 (and of SSE's).
   constexpr int kAcc = Simd<A>::W * static_cast<int>(sizeof(A)) >= 64 ? 16 : 8;
-  pv_row_groups(m, n, lbs, nvs, ahead, [&](int64_t r, int64_t rows, int64_t c0, int64_t c1, const RowsAhead<S>& a) {
+  // Rows read whole: two query rows at a time over whole v rows (kAcc / 2
+  // vectors: 128 floats), instead of four over half of them.
+  constexpr int kGroup = kReadWholeRows<A, S> ? 2 : 4;
+  pv_row_groups<kGroup>(m, n, lbs, nvs, ahead, [&](int64_t r, int64_t rows, int64_t c0, int64_t c1,
+                                                   const RowsAhead<S>& a) {
     const A* pr = p + r * ldp;
     A* orow = o + r * ldo;
-    if constexpr (kReadWholeRows<A, S>) {  // two rows at a time over whole v rows (kAcc / 2 vectors: 128 floats)
-      for (int64_t i = 0; i < rows; i += 2) {
-        const RowsAhead<S> ai = i == 0 ? a : RowsAhead<S>{};
-        if (i + 1 < rows)
-          direct_pv<2, kAcc / 2>(c0, c1, Dv, pr + i * ldp, ldp, v, orow + i * ldo, ldo, ai);
-        else
-          direct_pv<1, kAcc>(c0, c1, Dv, pr + i * ldp, ldp, v, orow + i * ldo, ldo, ai);
-      }
-      return;
-    }
     switch (rows) {
       case 1: direct_pv<1, kAcc>(c0, c1, Dv, pr, ldp, v, orow, ldo, a); break;
       case 2: direct_pv<2, kAcc / 2>(c0, c1, Dv, pr, ldp, v, orow, ldo, a); break;

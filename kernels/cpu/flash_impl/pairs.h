@@ -166,7 +166,6 @@ struct PairDot {
   static DIMATTN_INLINE vi q(const uint16_t* p) { return vload<vi>(p); }
   static DIMATTN_INLINE vi k(const uint16_t* p) { return vload<vi>(p); }
   static DIMATTN_INLINE vf mac(vf acc, vi q, vi k) { return dot_pairs(acc, q, k); }
-  static constexpr bool kWholeRows = false;
 };
 
 // 2W words of a v row from column e (W of them, the rest 0, where half).
