@@ -6,6 +6,7 @@ over its time against the machine's read bandwidth, measured here by a read-only
     python bench/decode.py --quick         # a few rows
     python bench/decode.py --svg docs/decode.svg
     python bench/decode.py --dtype bfloat16 --cache 32768 --B 1   # a part of the grid
+    python bench/decode.py --block-sizes 16,32,64,128            # what a pool's block size costs
 
 Each call's query rows are the last positions of their sequence (causal, bottom-right);
 D = 128, 32 query heads over 8 kv heads (GQA) or 1 (multi-query). Caches rotate
@@ -46,21 +47,24 @@ def caches(B, S, Hkv, D, dtype, copies, hnd):
             for _ in range(copies)]
 
 
-def paged(k, v, block, hnd):
-    """The cache as pools of `block` positions in a shuffled order, and the table that finds them."""
+def paged(k, v, block, hnd, shuffled=True):
+    """The cache as pools of `block` positions (in a shuffled order unless not `shuffled`), and the
+    table that finds them."""
     if hnd:  # [B, Hkv, S, D] -> [B * S / block, Hkv, block, D]
         B, Hkv, S, D = k.shape
         k, v = (x.view(B, Hkv, S // block, block, D).transpose(1, 2).reshape(-1, Hkv, block, D) for x in (k, v))
     else:
         B, S, Hkv, D = k.shape
         k, v = (x.reshape(-1, block, Hkv, D) for x in (k, v))
-    perm = torch.randperm(k.shape[0], generator=torch.Generator().manual_seed(1))
+    perm = (torch.randperm(k.shape[0], generator=torch.Generator().manual_seed(1)) if shuffled
+            else torch.arange(k.shape[0]))
     table = torch.argsort(perm).to(torch.int32).view(B, S // block)
     return k[perm].contiguous(), v[perm].contiguous(), table
 
 
 # Layouts: "NHD" and "HND" contiguous caches ([B, S, Hkv, D], FlashAttention's;
-# [B, Hkv, S, D], ATen's), "paged N" / "paged HND N": pools of blocks of N positions.
+# [B, Hkv, S, D], ATen's), "paged N" / "paged HND N": pools of blocks of N positions,
+# shuffled; "... in order": the pool's blocks in the sequence's order (what the shuffle costs).
 def row(B, Tq, S, H, Hkv, dtype, layouts, rounds):
     D = 128
     t = DTYPES[dtype]
@@ -83,7 +87,8 @@ def row(B, Tq, S, H, Hkv, dtype, layouts, rounds):
         hnd = "HND" in layout
         kw = {"kv_layout": "HND"} if hnd else {}
         if layout.startswith("paged"):
-            pools = [paged(k, v, int(layout.split()[-1]), hnd) for k, v in data[hnd]]
+            block = int(layout.removesuffix(" in order").split()[-1])
+            pools = [paged(k, v, block, hnd, not layout.endswith(" in order")) for k, v in data[hnd]]
             fns.append(rotating(lambda i, p=pools, kw=kw: da.kv_cache_attention(q, p[i][0], p[i][1], lens, p[i][2],
                                                                                 **kw)))
         elif hnd:  # a contiguous heads-outer cache: one block per sequence
@@ -105,6 +110,14 @@ def row(B, Tq, S, H, Hkv, dtype, layouts, rounds):
     out["GBps"] = {n: kv_bytes / tm / 1e9 for n, tm in zip(names, times)}
     out["pct_bw"] = {n: 100 * g / bandwidth for n, g in out["GBps"].items()}
     return out
+
+
+def block_sweep(sizes):
+    """Pools of each block size against the contiguous caches at B = 1, 32k positions, 32/8
+    heads, every dtype; the smallest also in order."""
+    layouts = ["HND", "NHD"] + [f"paged HND {n}" for n in sizes] + [f"paged HND {sizes[0]} in order"] + \
+        [f"paged {n}" for n in sizes]
+    return [(1, 1, 32768, 32, 8, dtype, layouts) for dtype in DTYPES]
 
 
 def grid(quick):
@@ -165,6 +178,17 @@ def svg(rows, path, bandwidth):
         f.write("\n".join(out) + "\n")
 
 
+def block_sizes(text):
+    """argparse's type for --block-sizes: positive divisors of the sweep's 32k positions."""
+    try:
+        sizes = [int(n) for n in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(n < 1 or 32768 % n for n in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: want comma-separated divisors of 32768, e.g. 16,32,64,128")
+    return sizes
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -174,6 +198,8 @@ def main():
     ap.add_argument("--dtype", help="only the grid's rows of these dtypes (comma-separated), e.g. bfloat16")
     ap.add_argument("--cache", help="only the grid's rows of these cache lengths (comma-separated), e.g. 32768")
     ap.add_argument("--B", help="only the grid's rows of these batch sizes (comma-separated)")
+    ap.add_argument("--block-sizes", type=block_sizes, help="instead of the grid, paged pools of these block sizes (comma-separated) "
+                    "against contiguous caches at 32k positions, e.g. 16,32,64,128")
     a = ap.parse_args()
     model, flags = cpu_info()
     print(f"# {model}; {flags}; torch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -185,7 +211,8 @@ def main():
     def wanted(spec):
         B, _, S, _, _, dtype, _ = spec
         return all(sel is None or str(v) in sel.split(",") for sel, v in ((a.dtype, dtype), (a.cache, S), (a.B, B)))
-    for spec in filter(wanted, grid(a.quick)):
+    specs = block_sweep(a.block_sizes) if a.block_sizes else grid(a.quick)
+    for spec in filter(wanted, specs):
         r = row(*spec, rounds=a.rounds)
         rows.append(r)
         for layout in spec[-1]:
