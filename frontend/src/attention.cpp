@@ -181,23 +181,23 @@ Prepared detail::prepare(const Tensor& query, const Tensor& keys, const Tensor& 
   // Rules 3 and 4: the query's own dims are its spatial dim (the positional
   // dim, else the longest) and groups; none means one decoding step, given a
   // size-1 dim. Keys and values are never tiled over any of them.
-  const bool dummy = r.query_only.empty();
   // Without causal the choice does not change the result; the longest dim
   // (innermost on ties) gives kernels long rows and short groups. Not a dim
   // that ALiBi's slopes or the sinks vary over: those are per-head values,
   // so such a dim must stay a group (GQA heads: a decoding step's one query
-  // position is shorter than its query groups).
+  // position is shorter than its query groups); where every dim is one, the
+  // call is one decoding step over them.
+  Dims candidates;
+  for (const Dim& d : r.query_only) {
+    bool per_head = false;
+    for (const std::optional<Tensor>* t : {&variants.alibi_slopes, &variants.sinks})
+      per_head = per_head || (*t && (*t)->has(d));
+    if (!per_head) candidates.push_back(d);
+  }
+  const bool dummy = r.query_only.empty() || (!p.position && candidates.empty());
   auto longest = [&] {
-    Dims candidates;
-    for (const Dim& d : r.query_only) {
-      bool per_head = false;
-      for (const std::optional<Tensor>* t : {&variants.alibi_slopes, &variants.sinks})
-        per_head = per_head || (*t && (*t)->has(d));
-      if (!per_head) candidates.push_back(d);
-    }
-    const Dims& from = candidates.empty() ? r.query_only : candidates;
-    Dim best = from.back();
-    for (const Dim& d : from)
+    Dim best = candidates.back();
+    for (const Dim& d : candidates)
       if (d.extent() > best.extent()) best = d;
     return best;
   };

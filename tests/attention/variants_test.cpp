@@ -351,6 +351,41 @@ TEST_P(AttentionVariants, SinksOverGqaGroupsInADecodingStep) {
   EXPECT_LT(max_abs_diff(got, want, want.dims()), 1e-6);
 }
 
+// The same without a step dim: every dim of the query's own (the GQA group)
+// carries sinks or ALiBi slopes, so none can be its positions, and the call
+// is one decoding step over them (the group was taken for the positions
+// before, and the sinks again had no per-head plane). Found by
+// KvCache.RandomCasesMatchThePlainCache. Equal to the call with a size-1
+// step dim added.
+TEST_P(AttentionVariants, PerHeadValuesOverEveryQueryDimMakeADecodingStep) {
+  const Dim batch("batch", 2), heads("heads", 2), group("group", 3), step("step", 1), kv("kv", 7), feat("feat", 8);
+  const TensorOptions o{.backend = GetParam()};
+  const Tensor q = random_normal({batch, heads, group, feat}, 44, o);
+  const Tensor k = random_normal({batch, heads, kv, feat}, 45, o), v = random_normal({batch, heads, kv, feat}, 46, o);
+  int ran = 0;
+  for (bool alibi : {false, true}) {
+    SCOPED_TRACE(alibi ? "alibi" : "sinks");
+    const Tensor per_head = from_host({heads, group}, {0.5, -1, 2, 0, 0.25, 1}, o);
+    AttentionOptions opts{.key_dim = feat, .axis = kv};
+    if (alibi) {
+      // ALiBi measures distances along positions: only the step's own.
+      opts.variants.alibi_slopes = per_head;
+      EXPECT_NE(error_of([&] { dot_attention(q, k, v, opts); }).find("query_position_dim"), std::string::npos);
+      ++ran;
+      continue;
+    }
+    opts.variants.sinks = per_head;
+    const Tensor got = dot_attention(q, k, v, opts);
+    AttentionOptions stepped = opts;
+    stepped.query_position_dim = step;
+    const Tensor want = squeeze(dot_attention(expand_dim(q, step), k, v, stepped), step);
+    EXPECT_EQ(got.dims(), want.dims());
+    EXPECT_LT(max_abs_diff(got, want, want.dims()), 1e-6);
+    ++ran;
+  }
+  EXPECT_EQ(ran, 2);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, AttentionVariants, ::testing::ValuesIn(backend_names()),
                          testing::backend_param_name);
 
