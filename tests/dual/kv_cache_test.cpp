@@ -56,7 +56,9 @@ Built build(const CacheCase& s, const std::string& backend) {
   Built r;
   const TensorOptions o{.dtype = s.dtype, .backend = backend};
   const TensorOptions ints{.dtype = DType::int64, .backend = backend};
-  const int64_t B = 4, bs = s.block_size, most = 37, cap = (most + bs - 1) / bs + 1;
+  const int64_t B = 4, bs = s.block_size;
+  const int64_t most = std::max<int64_t>(1, static_cast<int64_t>(*std::max_element(s.lengths.begin(), s.lengths.end())));
+  const int64_t cap = (most + bs - 1) / bs + 1;
   r.lengths = from_host({r.batch}, s.lengths, ints);
   r.kv = Dim::dynamic("kv", *r.lengths, most);
   r.keys = random_normal({r.batch, r.kv, r.kv_heads, r.feat}, 3, o);
@@ -171,6 +173,64 @@ TEST_P(KvCache, RaggedQueriesHalfPrecisionAndVariants) {
   off_by_one.variants.sink_off_by_one = true;
   check(off_by_one, GetParam(), ran);
   EXPECT_EQ(ran, 6);
+}
+
+// Random cases over what the grids above fix: block sizes (1 to past the
+// longest sequence), lengths (0 to long enough that the decode path splits
+// the cache into chunks), ragged or equal query lengths, both pool layouts,
+// the dtypes and the variants, each against the plain keys and values and
+// the gathered pages (check). A fixed seed: the same cases every run.
+TEST_P(KvCache, RandomCasesMatchThePlainCache) {
+  std::mt19937_64 rng(20261207);
+  auto below = [&](int64_t n) { return static_cast<int64_t>(rng() % static_cast<uint64_t>(n)); };
+  const std::vector<int64_t> blocks{1, 2, 3, 5, 8, 16, 17, 32, 64, 128, 300};
+  const Dims heads{names().kv_heads, names().group};
+  int ran = 0, long_cases = 0, ragged_cases = 0;
+  constexpr int kCases = 48;
+  for (int i = 0; i < kCases; ++i) {
+    CacheCase c;
+    c.block_size = blocks[below(static_cast<int64_t>(blocks.size()))];
+    c.heads_outer = below(2) == 1;
+    c.Tq = below(6);  // 0: one step, no query dim
+    const bool long_cache = below(6) == 0;  // past 4096 positions: chunks merged
+    for (double& len : c.lengths) {
+      const int64_t kind = below(4);
+      len = static_cast<double>(kind == 0 ? below(2) : kind == 1 ? below(c.block_size + 1)
+                                                                 : below(long_cache ? 6000 : 300));
+      len = std::max(len, static_cast<double>(c.Tq));  // every sequence holds its new positions
+    }
+    if (c.Tq > 1 && below(2) == 1) {
+      c.query_lengths.clear();
+      for (double len : c.lengths)
+        c.query_lengths.push_back(static_cast<double>(below(std::min<int64_t>(c.Tq, static_cast<int64_t>(len)) + 1)));
+      ++ragged_cases;
+    }
+    const int64_t dt = below(6);
+    c.dtype = dt == 0 ? DType::bfloat16 : dt == 1 ? DType::float16 : DType::float32;
+    // A window and ALiBi measure distances along the query's positions: the
+    // oracle needs a query dim (Tq > 0).
+    if (c.Tq > 0 && below(3) == 0) c.variants.window = AttentionWindow{.left = 1 + below(40)};
+    if (below(4) == 0) c.variants.softcap = 1.0 + static_cast<double>(below(4));
+    if (c.Tq > 0 && below(4) == 0)
+      c.variants.alibi_slopes = from_host(heads, {0.5, 0.25, 0.125, 0.0625, 0.03, 0.01},
+                                          {.dtype = DType::float64, .backend = GetParam()});
+    if (below(4) == 0)
+      c.variants.sinks = from_host(heads, {0.3, -1.0, 2.0, 0.0, 1.5, -0.5}, {.dtype = DType::float64, .backend = GetParam()});
+    long_cases += *std::max_element(c.lengths.begin(), c.lengths.end()) > 4096;
+    std::string what = "case " + std::to_string(i) + ": block " + std::to_string(c.block_size) +
+                       (c.heads_outer ? " heads-outer" : "") + " Tq " + std::to_string(c.Tq) + " dtype " +
+                       dtype_name(c.dtype) + " lengths";
+    for (double len : c.lengths) what += " " + std::to_string(static_cast<int64_t>(len));
+    if (!c.query_lengths.empty()) {
+      what += " queries";
+      for (double len : c.query_lengths) what += " " + std::to_string(static_cast<int64_t>(len));
+    }
+    SCOPED_TRACE(what);
+    check(c, GetParam(), ran);
+  }
+  EXPECT_EQ(ran, kCases);
+  EXPECT_GE(long_cases, 3);  // the split over threads ran
+  EXPECT_GE(ragged_cases, 3);
 }
 
 TEST_P(KvCache, BadTablesAndPoolsAreErrors) {
