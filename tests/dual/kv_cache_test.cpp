@@ -23,7 +23,10 @@ using testing::max_abs_diff;
 
 class KvCache : public ::testing::TestWithParam<std::string> {};
 
+struct Names;
+
 struct CacheCase {
+  const Names* dims = nullptr;  // the case's dims; nullptr: names()
   int64_t block_size = 16;
   bool heads_outer = false;  // pools [block, kv_heads, slot, D] instead of [block, slot, kv_heads, D]
   std::vector<double> lengths{37, 1, 0, 16};
@@ -45,7 +48,7 @@ struct Built {
   // Plain keys/values over {batch, kv, kv_heads, feat}; optional only to be filled in by build.
   std::optional<Tensor> query, keys, values, lengths;
   std::optional<PagedKvCache> cache;
-  // One set of Dims for every case, so that per-head variants made for one fit all.
+  // The case's dims (names() unless it has its own), so that per-head variants made for it fit.
   Dim batch = names().batch, kv_heads = names().kv_heads, group = names().group, feat = names().feat,
       vfeat = names().vfeat;
   std::optional<Dim> q_spatial;
@@ -54,6 +57,10 @@ struct Built {
 
 Built build(const CacheCase& s, const std::string& backend) {
   Built r;
+  if (s.dims) {
+    const Names& n = *s.dims;
+    r.batch = n.batch, r.kv_heads = n.kv_heads, r.group = n.group, r.feat = n.feat, r.vfeat = n.vfeat;
+  }
   const TensorOptions o{.dtype = s.dtype, .backend = backend};
   const TensorOptions ints{.dtype = DType::int64, .backend = backend};
   const int64_t B = 4, bs = s.block_size;
@@ -175,20 +182,32 @@ TEST_P(KvCache, RaggedQueriesHalfPrecisionAndVariants) {
   EXPECT_EQ(ran, 6);
 }
 
-// Random cases over what the grids above fix: block sizes (1 to past the
-// longest sequence), lengths (0 to long enough that the decode path splits
-// the cache into chunks), ragged or equal query lengths, both pool layouts,
-// the dtypes and the variants, each against the plain keys and values and
-// the gathered pages (check). A fixed seed: the same cases every run.
+// Random cases over what the grids above fix: kv heads, GQA groups and
+// feature sizes (rows per kv head past the direct products' 16, value
+// features that are not whole vectors: the packed path), block sizes (1 to
+// past the longest sequence), lengths (0 to long enough that the decode path
+// splits the cache into chunks), ragged or equal query lengths, both pool
+// layouts, the dtypes and the variants, each against the plain keys and
+// values and the gathered pages (check). A fixed seed: the same cases every run.
 TEST_P(KvCache, RandomCasesMatchThePlainCache) {
   std::mt19937_64 rng(20261207);
   auto below = [&](int64_t n) { return static_cast<int64_t>(rng() % static_cast<uint64_t>(n)); };
+  auto pick = [&](const std::vector<int64_t>& from) { return from[below(static_cast<int64_t>(from.size()))]; };
   const std::vector<int64_t> blocks{1, 2, 3, 5, 8, 16, 17, 32, 64, 128, 300};
-  const Dims heads{names().kv_heads, names().group};
-  int ran = 0, long_cases = 0, ragged_cases = 0;
-  constexpr int kCases = 48;
+  int ran = 0, long_cases = 0, ragged_cases = 0, many_rows = 0;
+  constexpr int kCases = 64;
   for (int i = 0; i < kCases; ++i) {
+    const Names dims{Dim("batch", 4), Dim("kv_heads", pick({1, 2, 3})), Dim("group", pick({1, 2, 3, 4, 8})),
+                     Dim("feat", pick({8, 16, 32, 64})), Dim("vfeat", pick({8, 16, 24, 32}))};
+    const Dims heads{dims.kv_heads, dims.group};
+    const int64_t H = dims.kv_heads.extent() * dims.group.extent();
+    std::vector<double> slopes, sink_logits;
+    for (int64_t h = 0; h < H; ++h) {
+      slopes.push_back(std::ldexp(1.0, -static_cast<int>(h % 8) - 1));
+      sink_logits.push_back(static_cast<double>(h % 3) - 1.0);
+    }
     CacheCase c;
+    c.dims = &dims;
     c.block_size = blocks[below(static_cast<int64_t>(blocks.size()))];
     c.heads_outer = below(2) == 1;
     c.Tq = below(6);  // 0: one step, no query dim
@@ -212,12 +231,14 @@ TEST_P(KvCache, RandomCasesMatchThePlainCache) {
     if (c.Tq > 0 && below(3) == 0) c.variants.window = AttentionWindow{.left = 1 + below(40)};
     if (below(4) == 0) c.variants.softcap = 1.0 + static_cast<double>(below(4));
     if (c.Tq > 0 && below(4) == 0)
-      c.variants.alibi_slopes = from_host(heads, {0.5, 0.25, 0.125, 0.0625, 0.03, 0.01},
-                                          {.dtype = DType::float64, .backend = GetParam()});
+      c.variants.alibi_slopes = from_host(heads, slopes, {.dtype = DType::float64, .backend = GetParam()});
     if (below(4) == 0)
-      c.variants.sinks = from_host(heads, {0.3, -1.0, 2.0, 0.0, 1.5, -0.5}, {.dtype = DType::float64, .backend = GetParam()});
+      c.variants.sinks = from_host(heads, sink_logits, {.dtype = DType::float64, .backend = GetParam()});
     long_cases += *std::max_element(c.lengths.begin(), c.lengths.end()) > 4096;
-    std::string what = "case " + std::to_string(i) + ": block " + std::to_string(c.block_size) +
+    many_rows += dims.group.extent() * std::max<int64_t>(c.Tq, 1) > 16;
+    std::string what = "case " + std::to_string(i) + ": heads " + std::to_string(dims.kv_heads.extent()) + "x" +
+                       std::to_string(dims.group.extent()) + " feat " + std::to_string(dims.feat.extent()) + "/" +
+                       std::to_string(dims.vfeat.extent()) + " block " + std::to_string(c.block_size) +
                        (c.heads_outer ? " heads-outer" : "") + " Tq " + std::to_string(c.Tq) + " dtype " +
                        dtype_name(c.dtype) + " lengths";
     for (double len : c.lengths) what += " " + std::to_string(static_cast<int64_t>(len));
@@ -231,6 +252,7 @@ TEST_P(KvCache, RandomCasesMatchThePlainCache) {
   EXPECT_EQ(ran, kCases);
   EXPECT_GE(long_cases, 3);  // the split over threads ran
   EXPECT_GE(ragged_cases, 3);
+  EXPECT_GE(many_rows, 3);  // blocks past the direct products' rows
 }
 
 TEST_P(KvCache, BadTablesAndPoolsAreErrors) {
