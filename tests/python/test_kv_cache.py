@@ -2,7 +2,7 @@
 sequence: contiguous and paged caches (both layouts, block sizes 1, 16 and odd, a
 shuffled table, shared prefix blocks, lengths 0 and 1), ragged queries, GQA and
 multi-query, half precision, window and softcap, the gathered reference path, a
-gradient through it, and bad input."""
+gradient through it, bad input, and seeded random cases over all of these."""
 import math
 
 import pytest
@@ -231,3 +231,67 @@ def test_compiled_decoding_step_equals_eager():
     torch._dynamo.reset()  # not the graphs compiled above
     with pytest.raises(Exception, match="dimattn"):
         torch.compile(step, fullgraph=True)(q.clone().requires_grad_(), *inputs[1:])
+
+
+def test_random_cases_match_plain_attention():
+    """Seeded random cases over what the tests above fix, against the float64 oracle:
+    batch, heads and kv heads (GQA, multi-query), head sizes, lengths (0 to a split
+    cache), block sizes, both pool layouts and a contiguous cache, ragged queries
+    through cu_seqlens_q, dtypes, scale, window, softcap, ALiBi and sinks."""
+    rng = torch.Generator().manual_seed(20261207)
+
+    def below(n):
+        return int(torch.randint(n, (1,), generator=rng))
+
+    ran = ragged = contiguous = long = 0
+    for i in range(40):
+        B, Hkv = 1 + below(4), [1, 2, 4][below(3)]
+        H, D = Hkv * [1, 2, 3, 4, 8][below(5)], [8, 16, 32, 64, 128][below(5)]
+        Tq = 1 + below(5)
+        S = 5000 if below(8) == 0 else 1 + below(300)
+        lens = [0 if below(5) == 0 else Tq + below(S - Tq + 1) if S >= Tq else 0 for _ in range(B)]
+        dtype = [torch.float32, torch.float32, torch.float32, torch.bfloat16, torch.float16][below(5)]
+        q, ks, vs, _ = case(B=B, Tq=Tq, H=H, Hkv=Hkv, D=D, S=S, lens=lens, dtype=dtype, seed=i)
+        lens = torch.tensor(lens)
+        qlens = torch.where(lens > 0, Tq, 0)
+        kw = {}
+        if below(3) == 0:
+            kw["window_size"] = (below(40), 0)
+        if below(4) == 0:
+            kw["softcap"] = 1.0 + below(4)
+        if below(4) == 0:
+            kw["softmax_scale"] = 0.05 + 0.1 * below(5)
+        if below(4) == 0:
+            kw["alibi_slopes"] = torch.linspace(0.01, 0.3, H)
+        if below(4) == 0:
+            kw["sinks"] = torch.linspace(-1.0, 2.0, H)
+        what = f"case {i}: B {B} heads {H}/{Hkv} D {D} Tq {Tq} lens {lens.tolist()} {dtype} {sorted(kw)}"
+        if below(4) == 0:  # a contiguous cache
+            got = da.kv_cache_attention(q, ks, vs, lens, **kw)
+            contiguous += 1
+        else:
+            block, hnd = [1, 3, 16, 17, 64, 128][below(6)], below(2) == 1
+            kp, vp, table = paged(ks, vs, lens, block, hnd, seed=i)
+            layout = "HND" if hnd else "NHD"
+            what += f" block {block} {layout}"
+            if Tq > 1 and below(2) == 0:  # ragged: each sequence's own count of new rows
+                qlens = torch.tensor([below(min(Tq, int(n)) + 1) if n > 0 else 0 for n in lens])
+                packed = torch.cat([q[b, :int(qlens[b])] for b in range(B)])
+                cu = torch.cat([torch.zeros(1, dtype=torch.long), qlens.cumsum(0)])
+                out = da.kv_cache_attention(packed, kp, vp, lens, table, cu_seqlens_q=cu, kv_layout=layout, **kw)
+                got = torch.zeros(B, Tq, H, D, dtype=out.dtype)
+                for b in range(B):
+                    got[b, :int(qlens[b])] = out[int(cu[b]):int(cu[b + 1])]
+                ragged += 1
+            else:
+                got = da.kv_cache_attention(q, kp, vp, lens, table, kv_layout=layout, **kw)
+        long += S > 4096
+        want = sdpa_per_sequence(q, ks, vs, lens, qlens, scale=kw.get("softmax_scale"),
+                                 window=kw.get("window_size", (-1, 0))[0], softcap=kw.get("softcap", 0.0),
+                                 slopes=kw.get("alibi_slopes"), sinks=kw.get("sinks"))
+        valid = torch.arange(Tq)[None, :] < qlens[:, None]  # rows past a sequence's new ones: not compared
+        err = (got.double() - want).abs()[valid].max().item() if valid.any() else 0.0
+        assert torch.isfinite(got[valid]).all(), what
+        assert err < TOL[dtype], f"{what}: max error {err}"
+        ran += 1
+    assert ran == 40 and ragged >= 3 and contiguous >= 3 and long >= 2, (ran, ragged, contiguous, long)
