@@ -30,6 +30,15 @@ AttentionGrads backward(const char* op, const Tensor& query, const Tensor& keys,
   const AttentionCall& c = prepared.call;
   const bool dummy = prepared.dummy;
   common_backend(op, {&query, &grad_output});
+  // A dim whose lengths vary over the kv axis, kept in the result that sums
+  // over the axis: which of its entries are padding depends on a position
+  // the result no longer has, so its gradients are not defined.
+  for (const Tensor* t : {&keys, &values})
+    for (const Dim& d : t->dims())
+      DIMATTN_CHECK(!d.is_dynamic() || d == opts.axis || !d.lengths().has(opts.axis), op, "dim ", d.repr(),
+                    " is dynamic over the kv axis ", opts.axis.repr(),
+                    ", which the result sums over: its padding in the result is not defined, nor are gradients "
+                    "through it; make its lengths independent of the axis (or pad it to a static dim)");
   auto with_step = [&](const Tensor& t) { return dummy ? expand_dim(t, c.query_spatial) : t; };
   std::optional<AttentionBlockResult> m;
   if (merged) {

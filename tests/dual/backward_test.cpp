@@ -42,6 +42,26 @@ TEST(Backward, EigenGradientsMatchTorchAutogradOfTheReference) {
   }
 }
 
+// A dim whose lengths vary over the kv axis, kept in the result: which of
+// its entries are padding would depend on a position the result sums over.
+// A clear error (the query's gradient, summed over it, kept the axis and
+// reached copy_transpose as an internal error; found by fuzz_dot_attention's
+// check that errors name the op called).
+TEST(Backward, DimsDynamicOverTheKvAxisAreAnError) {
+  if (!has_backend("eigen")) GTEST_SKIP();
+  const TensorOptions eo{.dtype = DType::float64, .backend = "eigen"};
+  Dim feat("feat", 3), time("time", 3);
+  Dim extra = Dim::dynamic("extra", from_host({time}, {1, 2, 0}, {.dtype = DType::int64, .backend = "eigen"}), 2);
+  const Tensor q = random_normal({feat}, 1, eo), k = random_normal({time, extra, feat}, 2, eo),
+               v = random_normal({extra, time, feat}, 3, eo);
+  const AttentionOptions o{.key_dim = feat, .axis = time};
+  const Tensor out = dot_attention(q, k, v, o);
+  const std::string msg =
+      testing::error_of([&] { dot_attention_backward(q, k, v, o, random_normal(out.dims(), 4, eo)); });
+  EXPECT_EQ(msg.rfind("[dot_attention_backward]", 0), 0u) << msg;
+  EXPECT_NE(msg.find("is dynamic over the kv axis time[3]"), std::string::npos) << msg;
+}
+
 TEST(Backward, BadGradOutputDimsAreAnError) {
   if (!has_backend("eigen")) GTEST_SKIP();
   Dim time("time", 4), feat("feat", 8), other("other", 3);

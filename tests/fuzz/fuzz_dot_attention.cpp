@@ -3,8 +3,9 @@
 // (dropout, scale, causal dim and offset), dtypes, train flag, tracing,
 // forcing and the reference memory limit.
 //
-// Outcome: a result or a dimattn::Error, never anything else (any other
-// exception escapes and libFuzzer reports it; sanitizers report the rest).
+// Outcome: a result or a dimattn::Error that names the op called (not an
+// internal function it reached), never anything else (any other exception
+// escapes and libFuzzer reports it; sanitizers report the rest).
 // For a result:
 // - its dims are DESIGN.md §3's: values' dims without axis, plus the query's
 //   dims without key_dim, plus keys' dims other than axis and key_dim (dims
@@ -117,6 +118,7 @@ struct Stats {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider in(data, size);
+  bool calling = false;
   const std::vector<std::string> backends = backend_names();
   const std::string be = backends[in.ConsumeIntegralInRange<size_t>(0, backends.size() - 1)];
   const TensorOptions int_opts{.dtype = DType::int64, .backend = be};
@@ -306,6 +308,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (mode == 2) trace.emplace(false);
     if (mode == 3) force.emplace("reference");
     if (mode == 4) force.emplace("cpu_flash");
+    calling = true;  // errors from here on come from the calls checked
     if (mode == 5) {
       const Decision d = explain_attention(q, k, v, o);
       if (d.kernel.empty()) fail("explain_attention chose no kernel");
@@ -328,6 +331,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           if (!std::isfinite(x)) fail("a gradient is not finite for finite inputs");
       }
     }
+    calling = false;
 
     // --- dims and dtype ---
     Dims expected;
@@ -425,9 +429,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
              std::to_string(want));
     }
     ++stats.checked;
-  } catch (const dimattn::Error&) {
-    // A clear error is a valid outcome for bad input.
+  } catch (const dimattn::Error& e) {
+    // A clear error is a valid outcome for bad input: one that names the
+    // op the caller called (not an internal function it reached).
     ++stats.errors;
+    const std::string what = e.what();
+    static const char* const kOps[] = {"[dot_attention]", "[explain_attention]", "[dot_attention_backward]"};
+    if (calling && std::none_of(std::begin(kOps), std::end(kOps), [&](const char* op) { return what.rfind(op, 0) == 0; }))
+      fail("an error that does not name the op called: " + what);
   }
   return 0;
 }
