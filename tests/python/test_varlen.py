@@ -1,6 +1,6 @@
 """Packed (varlen) attention: dimattn.varlen_attention and packed_attention against
 torch's SDPA run on each sequence alone, with gradients, GQA, cross-attention,
-gaps between sequences, dropout and bad input."""
+gaps between sequences, dropout, bad input, and seeded random packings."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -72,6 +72,45 @@ def test_varlen_matches_each_sequence_alone(lengths, heads, causal):
     assert [r.kernel for r in t.records] == (["cpu_flash"] if sum(lengths) else [])
     ref = per_sequence(q, k, v, starts, lens, starts, lens, causal)
     assert_close_with_grads(out, ref, (q, k, v), 2e-5)
+
+
+def test_random_packings_match_each_sequence_alone():
+    """Seeded random cases over what the tests around fix: 1-6 sequences of 0-80
+    tokens (sometimes 300), self- or cross-attention (own kv lengths), gaps between
+    the sequences on either side, GQA and multi-query heads, head sizes (value
+    features of their own size), causal or not, a scale; outputs and gradients
+    against SDPA on each sequence alone."""
+    rng = torch.Generator().manual_seed(20261207)
+
+    def below(n):
+        return int(torch.randint(n, (1,), generator=rng))
+
+    ran = cross = gaps = 0
+    for i in range(30):
+        n = 1 + below(6)
+        lq = [0 if below(6) == 0 else 1 + below(300 if below(8) == 0 else 80) for _ in range(n)]
+        lk = list(lq) if below(2) == 0 else [0 if x == 0 else 1 + below(80) for x in lq]
+        h_kv = [1, 2, 4][below(3)]
+        h, d, dv = h_kv * [1, 2, 3, 4][below(4)], [4, 8, 16, 64][below(4)], [4, 6, 16, 64][below(4)]
+        gap_q, gap_k = [0, 0, 1, 3][below(4)], [0, 0, 2][below(3)]
+        causal, scale = below(2) == 1, [None, 0.3][below(2)]
+        q, starts_q = packed(lq, h, d, 3 * i, gap=gap_q)
+        k, starts_k = packed(lk, h_kv, d, 3 * i + 1, gap=gap_k)
+        v, _ = packed(lk, h_kv, dv, 3 * i + 2, gap=gap_k)
+        lens_q, lens_k = torch.tensor(lq), torch.tensor(lk)
+        out = da.packed_attention(q, k, v, starts_q, lens_q, starts_k, lens_k, max(lq), max(lk), causal=causal,
+                                  scale=scale)
+        mul = 1.0 if scale is None else scale * d ** 0.5  # per_sequence scales by 1/sqrt(d)
+        ref = per_sequence(q * mul, k, v, starts_q, lens_q, starts_k, lens_k, causal)
+        try:
+            assert_close_with_grads(out, ref, (q, k, v), 5e-5)
+        except AssertionError as e:
+            raise AssertionError(f"case {i}: lq {lq} lk {lk} heads {h}/{h_kv} d {d}/{dv} gaps {gap_q},{gap_k} "
+                                 f"causal {causal} scale {scale}") from e
+        ran += 1
+        cross += lq != lk
+        gaps += gap_q > 0 or gap_k > 0
+    assert ran == 30 and cross >= 3 and gaps >= 3, (ran, cross, gaps)
 
 
 @pytest.mark.parametrize("causal", [False, True])
