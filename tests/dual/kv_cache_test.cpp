@@ -208,7 +208,7 @@ TEST_P(KvCache, RandomCasesMatchThePlainCache) {
     }
     CacheCase c;
     c.dims = &dims;
-    c.block_size = blocks[below(static_cast<int64_t>(blocks.size()))];
+    c.block_size = pick(blocks);
     c.heads_outer = below(2) == 1;
     c.Tq = below(6);  // 0: one step, no query dim
     const bool long_cache = below(6) == 0;  // past 4096 positions: chunks merged
