@@ -80,7 +80,9 @@ Tensor cpu_flash_paged(Backend& be, const PagedAttentionCall& c, const kernels::
   Shape shape;
   for (const Dim& d : out_dims) shape.push_back(d.extent());
   const RawPtr out = be.full(shape, 0.0, c.query.dtype(), kCPU);
-  if (B == 0) return Tensor(out_dims, c.query.dtype(), c.query.device(), out, &be);  // no sequence: nothing to read
+  // No sequence, or none with a position (pools perhaps without a block): nothing to read, zeros.
+  if (B == 0 || *std::max_element(lengths.begin(), lengths.end()) == 0)
+    return Tensor(out_dims, c.query.dtype(), c.query.device(), out, &be);
   const HostView o = host_memory(be)(out);
   const int64_t Dv = c.value_feature.extent();
 
@@ -89,7 +91,7 @@ Tensor cpu_flash_paged(Backend& be, const PagedAttentionCall& c, const kernels::
   p.q = q.data, p.k = k.data, p.v = v.data, p.out = o.data;
   p.batch = B, p.heads = Hkv * G, p.kv_heads = Hkv;
   p.seqlen_q = Tq;
-  p.seqlen_k = std::max<int64_t>(*std::max_element(lengths.begin(), lengths.end()), 1);
+  p.seqlen_k = *std::max_element(lengths.begin(), lengths.end());
   p.head_dim = c.key_dim.extent(), p.head_dim_v = Dv;
   p.q_strides = {q.strides[0], q.strides[1], q.strides[2], 1};
   p.k_strides = {0, k.strides[2], k.strides[1], 1};

@@ -38,6 +38,10 @@ Roles roles_of(const Tensor& q, const PagedKvCache& c, const KvCacheAttentionOpt
     DIMATTN_CHECK(pool->has(block) && pool->has(slot), kOp, "the pools need the block dim ", block.repr(),
                   " and the slot dim ", slot.repr(), "; got keys ", repr(c.keys.dims()), ", values ",
                   repr(c.values.dims()));
+  DIMATTN_CHECK(slot.extent() > 0, kOp, "the slot dim ", slot.repr(), " (the block size) holds no position; ",
+                "a block must hold at least one");
+  DIMATTN_CHECK(!is_floating(o.lengths.dtype()) && o.lengths.dtype() != DType::boolean, kOp,
+                "lengths must be an integer tensor, got ", dtype_name(o.lengths.dtype()));
   DIMATTN_CHECK(c.keys.has(o.key_dim) && q.has(o.key_dim), kOp, "query ", repr(q.dims()), " and keys ",
                 repr(c.keys.dims()), " must both have key_dim ", o.key_dim.repr());
   DIMATTN_CHECK(c.keys.dtype() == q.dtype() && c.values.dtype() == q.dtype(), kOp, "query, keys and values must ",
@@ -70,7 +74,8 @@ void check_table(const PagedKvCache& c, const Dims& batch, const Tensor& lengths
   const std::vector<int64_t> lens = host_ints(lengths, batch);
   const int64_t cap = c.table.extent(), bs = c.slot.extent(), blocks = c.block.extent();
   for (size_t e = 0; e < lens.size(); ++e) {
-    DIMATTN_CHECK(lens[e] >= 0 && lens[e] <= cap * bs, kOp, "lengths[", e, "] = ", lens[e], " is past the block table's ",
+    DIMATTN_CHECK(lens[e] >= 0, kOp, "lengths[", e, "] = ", lens[e], " is negative; a sequence holds 0 or more positions");
+    DIMATTN_CHECK(lens[e] <= cap * bs, kOp, "lengths[", e, "] = ", lens[e], " is past the block table's ",
                   "capacity of ", cap, " blocks of ", bs, " positions (", c.table.repr(), " x ", c.slot.repr(),
                   "); give the table more columns");
     if (!qlens.empty())
@@ -107,6 +112,16 @@ std::pair<Tensor, Tensor> kv_cache_gather(const PagedKvCache& c, const Tensor& l
     return merge_dims(gather(pool, c.block, idx), {c.table, c.slot}, kv).first;
   };
   if (axis) *axis = kv;
+  if (c.block.extent() == 0) {
+    // No block to read (every length must be 0): zero pages, nothing gathered.
+    auto empty = [&](const Tensor& pool) {
+      Dims dims = detail::without(c.block_table.dims(), {c.table});
+      dims.push_back(kv);
+      for (const Dim& d : detail::without(pool.dims(), {c.block, c.slot})) dims.push_back(d);
+      return zeros(dims, detail::options_like(pool));
+    };
+    return {empty(c.keys), empty(c.values)};
+  }
   return {pages(c.keys), pages(c.values)};
 }
 
@@ -187,6 +202,13 @@ void kv_cache_append(const PagedKvCache& c, const Tensor& keys, const Tensor& va
   for (size_t t = 0; t < slot_of.size(); ++t)
     DIMATTN_CHECK(slot_of[t] < capacity, op, "slots[", t, "] = ", slot_of[t], " is past the pools' ", capacity,
                   " slots (", c.block.repr(), " x ", c.slot.repr(), ")");
+  std::vector<int64_t> used;
+  for (int64_t s : slot_of)
+    if (s >= 0) used.push_back(s);
+  std::sort(used.begin(), used.end());
+  const auto twice = std::adjacent_find(used.begin(), used.end());
+  DIMATTN_CHECK(twice == used.end(), op, "slots give slot ", twice == used.end() ? 0 : *twice, " to more than one ",
+                "token: which one would stay is undefined; give each token its own slot");
   auto write = [&](const Tensor& pool, const Tensor& x, const char* what) {
     const Dims rest = detail::without(pool.dims(), {c.block, c.slot});  // kv heads and the feature dim
     for (const Dim& d : x.dims())

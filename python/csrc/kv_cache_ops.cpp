@@ -41,9 +41,26 @@ std::tuple<at::Tensor, std::string> kv_cache_attention_op(const at::Tensor& q, c
   const int64_t B = q.size(0), Tq = q.size(1), H = q.size(2), D = q.size(3);
   const int64_t hax = heads_outer ? 1 : 2, sax = heads_outer ? 2 : 1;
   const int64_t Hkv = k_cache.size(hax);
-  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, op, "q's ", H, " heads must be a multiple of the cache's ", Hkv, " kv heads");
+  for (const at::Tensor* t : {&k_cache, &v_cache})
+    TORCH_CHECK(t->device() == q.device() && (q.is_cpu() || q.is_cuda()), op, "q, k_cache and v_cache must be on one ",
+                "device, cpu or cuda; got ", q.device(), ", ", k_cache.device(), ", ", v_cache.device());
+  TORCH_CHECK(Hkv > 0, op, "the cache has no kv heads: k_cache ", k_cache.sizes(), " (kv_layout ",
+              heads_outer ? "HND" : "NHD", ")");
+  TORCH_CHECK(H % Hkv == 0, op, "q's ", H, " heads must be a multiple of the cache's ", Hkv, " kv heads");
   TORCH_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(hax) == Hkv && v_cache.size(sax) == k_cache.size(sax),
               op, "v_cache ", v_cache.sizes(), " must match k_cache ", k_cache.sizes(), " but for its last dim");
+  TORCH_CHECK(k_cache.size(3) == D, op, "q's head_dim ", D, " must equal the cache's, got q ", q.sizes(), " and k_cache ",
+              k_cache.sizes());
+  TORCH_CHECK(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B && at::isIntegralType(cache_seqlens.scalar_type(), false),
+              op, "cache_seqlens must be [batch] = [", B, "] integers, got ", cache_seqlens.sizes(), " ",
+              cache_seqlens.scalar_type());
+  if (block_table) {
+    TORCH_CHECK(block_table->dim() == 2 && block_table->size(0) == B, op, "block_table must be [batch, max_blocks] with ",
+                "batch = ", B, ", got ", block_table->sizes());
+  } else {
+    TORCH_CHECK(k_cache.size(0) == B, op, "a contiguous cache holds one sequence per row of its first dim, so k_cache ",
+                k_cache.sizes(), " must have q's batch ", B, " there; slice it, or pass a block_table to pick rows");
+  }
   const Dim batch("batch", B), kv_heads("kv_heads", Hkv), group("group", H / Hkv), feat("head_dim", D),
       vfeat("head_dim_v", v_cache.size(3)), block("block", k_cache.size(0)), slot("slot", k_cache.size(sax));
   const Tensor lengths = from_aten(cache_seqlens, {batch});

@@ -76,12 +76,20 @@ def _run(q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, causal, 
         raise Error(f"{op} window_size={window_size}: the right side must be -1 or 0 with causal")
     if window_size[1] > 0:
         raise Error(f"{op} window_size={window_size}: only a left window is supported here")
+    if window_size[0] < -1:
+        raise Error(f"{op} window_size={window_size}: the left side must be -1 (no window) or >= 0")
+    if softcap < 0:
+        raise Error(f"{op} softcap={softcap} must be >= 0 (0: no soft-capping)")
+    if q.shape[-1] == 0 and softmax_scale is None:
+        raise Error(f"{op} q {tuple(q.shape)} has head_dim 0: the default scale 1/sqrt(head_dim) is undefined; "
+                    "give softmax_scale")
     packed = cu_seqlens_q is not None
     seqlens_q = None
     if packed:
         if q.dim() != 3 or cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() != cache_seqlens.numel() + 1:
             raise Error(f"{op} with cu_seqlens_q, q must be [tokens, heads, D] and cu_seqlens_q [batch + 1]; got q "
                         f"{tuple(q.shape)}, cu_seqlens_q {tuple(cu_seqlens_q.shape)}, batch {cache_seqlens.numel()}")
+        _check_offsets(op, cu_seqlens_q, q.shape[0])
         seqlens_q = cu_seqlens_q.diff()
         rows, q = _pad(q, cu_seqlens_q, seqlens_q)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -133,6 +141,15 @@ def _kv_cache_attention_fake(q, k_cache, v_cache, *args):
     return q.new_empty(*q.shape[:-1], v_cache.shape[-1])
 
 
+def _check_offsets(op: str, cu: torch.Tensor, tokens: int) -> None:
+    """cu_seqlens_q must be integer offsets from 0 to the packed q's tokens, never decreasing."""
+    if cu.is_floating_point() or cu.dtype == torch.bool:
+        raise Error(f"{op} cu_seqlens_q must be an integer tensor, got {cu.dtype}")
+    ends = cu.tolist()
+    if ends[0] != 0 or ends[-1] != tokens or any(b < a for a, b in zip(ends, ends[1:])):
+        raise Error(f"{op} cu_seqlens_q {ends} must rise from 0 to q's {tokens} tokens, never decreasing")
+
+
 def _pad(q: torch.Tensor, cu: torch.Tensor, lens: torch.Tensor):
     """The packed rows as [batch, max new, heads, D] (a copy of the few query rows)
     and the index of each packed row in the padded rows."""
@@ -162,13 +179,26 @@ def kv_cache_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
     if kv_layout not in ("NHD", "HND"):
         raise Error(f"{op} kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
     hnd = kv_layout == "HND"
-    block_size = k_cache.shape[2 if hnd else 1]
+    if k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
+        raise Error(f"{op} k_cache and v_cache must be 4-d pools alike but for their last dim; got "
+                    f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    block_size, kv_heads = (k_cache.shape[2], k_cache.shape[1]) if hnd else (k_cache.shape[1], k_cache.shape[2])
     capacity = k_cache.shape[0] * block_size
     if k.dim() != 3 or v.dim() != 3 or slot_mapping.shape != (k.shape[0],) or v.shape[0] != k.shape[0]:
         raise Error(f"{op} k, v must be [tokens, kv_heads, D] and slot_mapping [tokens]; got k {tuple(k.shape)}, "
                     f"v {tuple(v.shape)}, slot_mapping {tuple(slot_mapping.shape)}")
+    if k.shape[1:] != (kv_heads, k_cache.shape[3]) or v.shape[1:] != (kv_heads, v_cache.shape[3]):
+        raise Error(f"{op} k {tuple(k.shape)} and v {tuple(v.shape)} must be [tokens, {kv_heads}, {k_cache.shape[3]}] "
+                    f"and [tokens, {kv_heads}, {v_cache.shape[3]}] for pools {tuple(k_cache.shape)} "
+                    f"(kv_layout={kv_layout!r})")
+    if slot_mapping.is_floating_point() or slot_mapping.dtype == torch.bool:
+        raise Error(f"{op} slot_mapping must be an integer tensor, got {slot_mapping.dtype}")
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
+    used, counts = slots.unique(return_counts=True)
+    if bool((counts > 1).any()):
+        raise Error(f"{op} slot_mapping gives slot {int(used[counts > 1][0])} to {int(counts.max())} tokens: which "
+                    "one would stay is undefined; give each token its own slot")
     if slots.numel() and int(slots.max()) >= capacity:
         raise Error(f"{op} slot {int(slots.max())} is past the pools' {capacity} slots "
                     f"({k_cache.shape[0]} blocks of {block_size})")

@@ -191,6 +191,90 @@ def test_bad_input_is_an_error(compiled):
         attend(torch.randn(1, 1, 3, 8), kp, vp, torch.tensor([20]), table)
 
 
+def _pools(blocks=4, block_size=16, kv_heads=2, d=8):
+    return torch.zeros(blocks, block_size, kv_heads, d), torch.zeros(blocks, block_size, kv_heads, d)
+
+
+_Q, _TABLE, _LEN = torch.randn(1, 1, 4, 8), torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([5])
+# Malformed arguments, each with the beginning of its error (after the op's name).
+MALFORMED = {
+    "negative length": (lambda: da.kv_cache_attention(_Q, *_pools(), torch.tensor([-3]), _TABLE),
+                        r"lengths\[0\] = -3 is negative"),
+    "float lengths": (lambda: da.kv_cache_attention(_Q, *_pools(), torch.tensor([5.0]), _TABLE),
+                      r"cache_seqlens must be \[batch\] = \[1\] integers"),
+    "lengths of another batch": (lambda: da.kv_cache_attention(_Q, *_pools(), torch.tensor([5, 6]), _TABLE),
+                                 r"cache_seqlens must be \[batch\] = \[1\] integers, got \[2\]"),
+    "table of another batch": (lambda: da.kv_cache_attention(_Q, *_pools(), _LEN, _TABLE.repeat(2, 1)),
+                               r"block_table must be \[batch, max_blocks\] with batch = 1, got \[2, 2\]"),
+    "1-d table": (lambda: da.kv_cache_attention(_Q, *_pools(), _LEN, _TABLE[0]),
+                  r"block_table must be \[batch, max_blocks\]"),
+    "float table": (lambda: da.kv_cache_attention(_Q, *_pools(), _LEN, _TABLE.float()),
+                    "block_table must be an integer tensor"),
+    "block size 0": (lambda: da.kv_cache_attention(_Q, *_pools(block_size=0), torch.tensor([0]), _TABLE),
+                     r"the slot dim slot\[0\] \(the block size\) holds no position"),
+    "query head_dim": (lambda: da.kv_cache_attention(torch.randn(1, 1, 4, 16), *_pools(), _LEN, _TABLE),
+                       "q's head_dim 16 must equal the cache's"),
+    "head_dim 0, no scale": (lambda: da.kv_cache_attention(torch.randn(1, 1, 4, 0), *_pools(d=0), _LEN, _TABLE),
+                             r"q \(1, 1, 4, 0\) has head_dim 0: the default scale"),
+    "no kv heads": (lambda: da.kv_cache_attention(torch.randn(1, 1, 0, 8), *_pools(kv_heads=0), _LEN, _TABLE),
+                    "the cache has no kv heads"),
+    "contiguous cache of another batch": (lambda: da.kv_cache_attention(_Q, *_pools(blocks=2), _LEN),
+                                          "a contiguous cache holds one sequence per row"),
+    "pools on meta": (lambda: da.kv_cache_attention(_Q, *(p.to("meta") for p in _pools()), _LEN, _TABLE),
+                      "q, k_cache and v_cache must be on one device"),
+    "window left -5": (lambda: da.kv_cache_attention(_Q, *_pools(), _LEN, _TABLE, window_size=(-5, 0)),
+                       r"window_size=\(-5, 0\): the left side must be -1"),
+    "negative softcap": (lambda: da.kv_cache_attention(_Q, *_pools(), _LEN, _TABLE, softcap=-1.0),
+                         "softcap=-1.0 must be >= 0"),
+    "float cu_seqlens_q": (lambda: da.kv_cache_attention(torch.randn(3, 4, 8), *_pools(), _LEN, _TABLE,
+                                                         torch.tensor([0.0, 3.0])),
+                           "cu_seqlens_q must be an integer tensor"),
+    "cu_seqlens_q past the tokens": (lambda: da.kv_cache_attention(torch.randn(3, 4, 8), *_pools(), _LEN, _TABLE,
+                                                                   torch.tensor([0, 5])),
+                                     r"cu_seqlens_q \[0, 5\] must rise from 0 to q's 3 tokens"),
+    "decreasing cu_seqlens_q": (lambda: da.kv_cache_attention(torch.randn(3, 4, 8), *_pools(), torch.tensor([5, 5]),
+                                                              _TABLE.repeat(2, 1), torch.tensor([0, 2, 1])),
+                                r"cu_seqlens_q \[0, 2, 1\] must rise from 0 to q's 3 tokens, never decreasing"),
+    "append: 3-d pools": (lambda: da.kv_cache_append(*(p[0] for p in _pools()), torch.randn(1, 2, 8),
+                                                     torch.randn(1, 2, 8), torch.tensor([0])),
+                          "k_cache and v_cache must be 4-d pools alike"),
+    "append: kv heads": (lambda: da.kv_cache_append(*_pools(), torch.randn(1, 3, 8), torch.randn(1, 3, 8),
+                                                    torch.tensor([0])),
+                         r"k \(1, 3, 8\) and v \(1, 3, 8\) must be \[tokens, 2, 8\]"),
+    "append: head_dim": (lambda: da.kv_cache_append(*_pools(), torch.randn(1, 2, 4), torch.randn(1, 2, 4),
+                                                    torch.tensor([0])),
+                         r"k \(1, 2, 4\) and v \(1, 2, 4\) must be \[tokens, 2, 8\]"),
+    "append: float slots": (lambda: da.kv_cache_append(*_pools(), torch.randn(1, 2, 8), torch.randn(1, 2, 8),
+                                                       torch.tensor([0.0])),
+                            "slot_mapping must be an integer tensor"),
+    "append: a slot twice": (lambda: da.kv_cache_append(*_pools(), torch.randn(3, 2, 8), torch.randn(3, 2, 8),
+                                                        torch.tensor([3, -1, 3])),
+                             "slot_mapping gives slot 3 to 2 tokens"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_arguments_are_errors(name):
+    """Each malformed argument raises dimattn.Error naming the op and what is wrong,
+    never torch's own error, a crash, or a result."""
+    call, message = MALFORMED[name]
+    op = "kv_cache_append" if name.startswith("append") else "kv_cache_attention"
+    with pytest.raises(da.Error, match=rf"^\[{op}\] {message}"):
+        call()
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["in place", "gathered"])
+def test_a_pool_without_blocks_gives_zeros(grad):
+    """Sequences of no position over pools of no block (an empty cache): zeros, on
+    the kernel reading in place and on the gathered pages (a gradient asked)."""
+    q = torch.randn(2, 1, 4, 8, requires_grad=grad)
+    out = da.kv_cache_attention(q, *_pools(blocks=0), torch.tensor([0, 0]), torch.zeros(2, 3, dtype=torch.int32))
+    assert out.shape == (2, 1, 4, 8) and not out.any()
+    if grad:
+        out.sum().backward()
+        assert q.grad is not None and not q.grad.any()
+
+
 def test_no_sequences_give_an_empty_result():
     kp, vp = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
     out = da.kv_cache_attention(torch.randn(0, 1, 4, 8), kp, vp, torch.zeros(0, dtype=torch.long),

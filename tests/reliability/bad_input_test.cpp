@@ -98,11 +98,13 @@ struct KvFixture {
   Dim block{"block", 3}, slot{"slot", 2}, table{"table", 2};
   Tensor q;
   explicit KvFixture(const Ex& ex) : e(ex), q(random_normal({ex.batch, ex.feat}, 1, ex.f32)) {}
-  PagedKvCache cache(const std::vector<double>& entries) const {
-    return {.keys = random_normal({block, slot, e.feat}, 2, e.f32),
-            .values = random_normal({block, slot, e.vfeat}, 3, e.f32),
-            .block = block,
-            .slot = slot,
+  PagedKvCache cache(const std::vector<double>& entries) const { return cache_of(block, slot, entries); }
+  // Pools of other block and slot dims.
+  PagedKvCache cache_of(const Dim& blk, const Dim& pos, const std::vector<double>& entries) const {
+    return {.keys = random_normal({blk, pos, e.feat}, 2, e.f32),
+            .values = random_normal({blk, pos, e.vfeat}, 3, e.f32),
+            .block = blk,
+            .slot = pos,
             .block_table = from_host({e.batch, table}, entries, {.dtype = DType::int32, .backend = e.be}),
             .table = table};
   }
@@ -534,6 +536,30 @@ const std::map<std::string, ErrorCase>& error_cases() {
           c.values = random_normal({Dim("blocks2", 3), f.slot, e.vfeat}, 3, e.f32);
           kv_cache_attention(f.q, c, {.key_dim = e.feat, .lengths = e.lens({4, 3})});
         }}},
+      {"kv_cache_empty_slot",
+       {[](const Ex& e) {
+          const KvFixture f(e);
+          kv_cache_attention(f.q, f.cache_of(f.block, Dim("slot", 0), {0, 1, 2, 0}),
+                             {.key_dim = e.feat, .lengths = e.lens({0, 0})});
+        }}},
+      {"kv_cache_negative_length",
+       {[](const Ex& e) {
+          const KvFixture f(e);
+          kv_cache_attention(f.q, f.cache({0, 1, 2, 0}), {.key_dim = e.feat, .lengths = e.lens({-1, 3})});
+        }}},
+      {"kv_cache_float_lengths",
+       {[](const Ex& e) {
+          const KvFixture f(e);
+          kv_cache_attention(f.q, f.cache({0, 1, 2, 0}),
+                             {.key_dim = e.feat, .lengths = e.lens({4, 3}, DType::float32)});
+        }}},
+      {"kv_cache_slot_twice",
+       {[](const Ex& e) {
+          const KvFixture f(e);
+          const Dim tokens("tokens", 3);
+          kv_cache_append(f.cache({0, 1, 2, 0}), random_normal({tokens, e.feat}, 1, e.f32),
+                          random_normal({tokens, e.vfeat}, 2, e.f32), from_host({tokens}, {1, -1, 1}, e.i64));
+        }}},
       {"kv_cache_slot_out_of_range",
        {[](const Ex& e) {
           const KvFixture f(e);
@@ -740,6 +766,25 @@ DEFINED_ROW(all_lengths_zero) {
   Dim tk = Dim::dynamic("tk", lens(batch, {0, 0}), 4);
   ATTEND(out, random_normal({batch, tq, feat}, 1, o()), random_normal({batch, tk, feat}, 2, o()),
                  random_normal({batch, tk, feat}, 3, o()), {.key_dim = feat, .axis = tk});
+  EXPECT_TRUE(all_equal(to_host(out), 0.0));
+}
+
+DEFINED_ROW(kv_cache_empty_pool) {
+  // kv_cache_attention over pools without a block: on cpu_flash the pools are
+  // read in place, on the other kernels the (zero) pages are gathered. Not
+  // causal: aten_flash_cpu takes causal query groups only with kv repeated.
+  Dim batch("batch", 2), group("group", 3), feat("feat", 4), block("block", 0), slot("slot", 2), table("table", 2);
+  const PagedKvCache cache{.keys = random_normal({block, slot, feat}, 2, o()),
+                           .values = random_normal({block, slot, feat}, 3, o()),
+                           .block = block,
+                           .slot = slot,
+                           .block_table = from_host({batch, table}, {0, 0, 0, 0},
+                                                    {.dtype = DType::int32, .backend = GetParam().backend}),
+                           .table = table};
+  const Tensor out = kv_cache_attention(random_normal({batch, group, feat}, 1, o()), cache,
+                                        {.key_dim = feat, .lengths = lens(batch, {0, 0}), .causal = false});
+  EXPECT_TRUE(testing::same_dims(out.dims(), {batch, group, feat}));
+  EXPECT_EQ(out.numel(), 2 * 3 * 4);
   EXPECT_TRUE(all_equal(to_host(out), 0.0));
 }
 
