@@ -18,6 +18,7 @@ constexpr const char* kOp = "kv_cache_attention";
 struct Merged {
   std::vector<int64_t> sizes, strides;
   void* data = nullptr;
+  RawPtr copy;  // the dense copy data points into, when one was made: kept alive with it
 };
 std::optional<Merged> merge(Backend& be, const Tensor& x, const std::vector<Dims>& groups) {
   Dims order;
@@ -48,9 +49,10 @@ Merged merged(Backend& be, const Tensor& x, const std::vector<Dims>& groups, con
   for (const Dims& g : groups) order.insert(order.end(), g.begin(), g.end());
   DIMATTN_CHECK(may_copy, kOp, what, " ", repr(x.dims()), " is read in place, so its dims ", repr(order),
                 " must be a strided view with a dense last dim; make it contiguous once when you allocate it");
-  const Tensor dense(order, x.dtype(), x.device(), be.contiguous(raw_in_order(kOp, x, order, true)), &be);
-  m = merge(be, dense, groups);
+  const RawPtr copy = be.contiguous(raw_in_order(kOp, x, order, true));
+  m = merge(be, Tensor(order, x.dtype(), x.device(), copy, &be), groups);
   DIMATTN_CHECK(m.has_value(), kOp, "internal error: ", what, " does not merge after a copy");
+  m->copy = copy;
   return *m;
 }
 
@@ -61,7 +63,7 @@ Tensor cpu_flash_paged(Backend& be, const PagedAttentionCall& c, const kernels::
   const Merged q = merged(be, c.query, {c.batch, kv_heads_groups, {c.query_spatial}, {c.key_dim}}, "the query", true);
   const Merged k = merged(be, c.keys, {{c.block}, {c.slot}, c.kv_heads, {c.key_dim}}, "the key pool", false);
   const Merged v = merged(be, c.values, {{c.block}, {c.slot}, c.kv_heads, {c.value_feature}}, "the value pool", false);
-  const int64_t B = q.sizes[0], Hkv = k.sizes[2], G = q.sizes[1] / Hkv, Tq = q.sizes[2];
+  const int64_t B = q.sizes[0], Hkv = k.sizes[2], Tq = q.sizes[2];
 
   // The block table as int32 [B, table], the lengths and query lengths as int64.
   Dims table_order = c.batch;
@@ -80,9 +82,11 @@ Tensor cpu_flash_paged(Backend& be, const PagedAttentionCall& c, const kernels::
   Shape shape;
   for (const Dim& d : out_dims) shape.push_back(d.extent());
   const RawPtr out = be.full(shape, 0.0, c.query.dtype(), kCPU);
-  // No sequence, or none with a position (pools perhaps without a block): nothing to read, zeros.
-  if (B == 0 || *std::max_element(lengths.begin(), lengths.end()) == 0)
+  // An empty result, or no sequence with a position (pools perhaps without a
+  // block): nothing to read, zeros.
+  if (product(out_dims) == 0 || *std::max_element(lengths.begin(), lengths.end()) == 0)
     return Tensor(out_dims, c.query.dtype(), c.query.device(), out, &be);
+  const int64_t G = q.sizes[1] / Hkv;
   const HostView o = host_memory(be)(out);
   const int64_t Dv = c.value_feature.extent();
 

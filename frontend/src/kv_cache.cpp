@@ -44,9 +44,12 @@ Roles roles_of(const Tensor& q, const PagedKvCache& c, const KvCacheAttentionOpt
                 "lengths must be an integer tensor, got ", dtype_name(o.lengths.dtype()));
   DIMATTN_CHECK(c.keys.has(o.key_dim) && q.has(o.key_dim), kOp, "query ", repr(q.dims()), " and keys ",
                 repr(c.keys.dims()), " must both have key_dim ", o.key_dim.repr());
+  DIMATTN_CHECK(o.key_dim.extent() > 0, kOp, "key_dim ", o.key_dim.repr(), " is empty: scores need at least one "
+                "feature");
   DIMATTN_CHECK(c.keys.dtype() == q.dtype() && c.values.dtype() == q.dtype(), kOp, "query, keys and values must ",
                 "share one dtype; got ", dtype_name(q.dtype()), ", ", dtype_name(c.keys.dtype()), ", ",
                 dtype_name(c.values.dtype()), " (cast the query to the cache's dtype)");
+  DIMATTN_CHECK(is_floating(q.dtype()), kOp, "needs floating query, keys and values; got ", dtype_name(q.dtype()));
   Roles r;
   r.batch = detail::without(c.block_table.dims(), {c.table});
   r.kv_heads = detail::without(c.keys.dims(), {block, slot, o.key_dim});
@@ -71,13 +74,18 @@ void check_table(const PagedKvCache& c, const Dims& batch, const Tensor& lengths
   Dims order = batch;
   order.push_back(c.table);
   const std::vector<int64_t> table = host_ints(c.block_table, order);
-  const std::vector<int64_t> lens = host_ints(lengths, batch);
   const int64_t cap = c.table.extent(), bs = c.slot.extent(), blocks = c.block.extent();
-  for (size_t e = 0; e < lens.size(); ++e) {
-    DIMATTN_CHECK(lens[e] >= 0, kOp, "lengths[", e, "] = ", lens[e], " is negative; a sequence holds 0 or more positions");
-    DIMATTN_CHECK(lens[e] <= cap * bs, kOp, "lengths[", e, "] = ", lens[e], " is past the block table's ",
+  // Each length in range (over the lengths' own dims: also those that no
+  // sequence uses, where the batch is empty).
+  const std::vector<int64_t> own = host_ints(lengths, lengths.dims());
+  for (size_t i = 0; i < own.size(); ++i) {
+    DIMATTN_CHECK(own[i] >= 0, kOp, "lengths[", i, "] = ", own[i], " is negative; a sequence holds 0 or more positions");
+    DIMATTN_CHECK(own[i] <= cap * bs, kOp, "lengths[", i, "] = ", own[i], " is past the block table's ",
                   "capacity of ", cap, " blocks of ", bs, " positions (", c.table.repr(), " x ", c.slot.repr(),
                   "); give the table more columns");
+  }
+  const std::vector<int64_t> lens = host_ints(lengths, batch);
+  for (size_t e = 0; e < lens.size(); ++e) {
     if (!qlens.empty())
       DIMATTN_CHECK(qlens[e] <= lens[e], kOp, "sequence ", e, " has ", qlens[e], " new query positions but only ",
                     lens[e], " cached positions; lengths must include the new positions (append them first)");
@@ -127,6 +135,8 @@ std::pair<Tensor, Tensor> kv_cache_gather(const PagedKvCache& c, const Tensor& l
 
 Tensor kv_cache_attention(const Tensor& query, const PagedKvCache& cache, const KvCacheAttentionOptions& o) {
   const bool step = !o.query_spatial.has_value();
+  DIMATTN_CHECK(step || query.has(*o.query_spatial), kOp, "query ", repr(query.dims()), " lacks query_spatial ",
+                o.query_spatial->repr(), "; leave query_spatial unset for a query of one step");
   const Dim q_spatial = step ? Dim("query_step", 1) : *o.query_spatial;
   const Tensor q = step ? expand_dim(query, q_spatial) : query;
   const Roles r = roles_of(q, cache, o, q_spatial);
@@ -134,6 +144,8 @@ Tensor kv_cache_attention(const Tensor& query, const PagedKvCache& cache, const 
   if (q_spatial.is_dynamic()) qlens = host_ints(q_spatial.lengths(), r.batch);
   check_table(cache, r.batch, o.lengths, qlens);
   const double scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(o.key_dim.extent())));
+  DIMATTN_CHECK(std::isfinite(scale), kOp, "scale must be finite, got ", scale, "; leave it unset for 1/sqrt(",
+                o.key_dim.repr(), ")");
   o.variants.check_values(kOp, o.causal);
   auto restore = [&](const Tensor& out) {
     const Tensor t = q_spatial.is_dynamic() ? where(sequence_mask(q_spatial, detail::options_like(out, DType::boolean)), out, 0.0) : out;
@@ -146,13 +158,15 @@ Tensor kv_cache_attention(const Tensor& query, const PagedKvCache& cache, const 
   std::optional<Tensor> sinks = o.variants.sinks;
   if (o.variants.sink_off_by_one) sinks = full({}, 0.0, detail::options_like(q, DType::float64));
   const Dims heads = detail::union_dims(detail::union_dims(r.batch, r.kv_heads), r.groups);
-  auto per_head = [&](const std::optional<Tensor>& t) {
-    if (!t) return true;
-    for (const Dim& d : t->dims())
-      if (!contains(heads, d)) return false;
-    return !t->requires_grad();
-  };
-  const bool takes_variants = per_head(rest.alibi_slopes) && per_head(sinks);
+  for (const auto& [t, name] : {std::pair{&o.variants.alibi_slopes, "alibi_slopes"}, {&o.variants.sinks, "sinks"}}) {
+    if (!*t) continue;
+    DIMATTN_CHECK(is_floating((*t)->dtype()), kOp, name, " must be a floating tensor, got ", dtype_name((*t)->dtype()));
+    for (const Dim& d : (*t)->dims())
+      DIMATTN_CHECK(contains(heads, d), kOp, name, " ", repr((*t)->dims()), " has ", d.repr(), ", which is not a ",
+                    "batch, kv head or group dim ", repr(heads), "; they vary over those only");
+  }
+  auto no_grad = [](const std::optional<Tensor>& t) { return !t || !t->requires_grad(); };
+  const bool takes_variants = no_grad(rest.alibi_slopes) && no_grad(sinks);
   rest.window.reset(), rest.softcap.reset(), rest.alibi_slopes.reset(), rest.sinks.reset();
   rest.sink_off_by_one = false;
   const KernelEntry* kernel = paged_kernel(q);
@@ -195,8 +209,14 @@ void kv_cache_append(const PagedKvCache& c, const Tensor& keys, const Tensor& va
   constexpr const char* op = "kv_cache_append";
   const Dims tokens = slots.dims();
   Backend& be = c.keys.backend();
-  for (const Tensor* pool : {&c.keys, &c.values})
+  for (const Tensor* pool : {&c.keys, &c.values}) {
+    DIMATTN_CHECK(pool->has(c.block) && pool->has(c.slot), op, "the pools need the block dim ", c.block.repr(),
+                  " and the slot dim ", c.slot.repr(), "; got keys ", repr(c.keys.dims()), ", values ",
+                  repr(c.values.dims()));
     DIMATTN_CHECK(!pool->requires_grad(), op, "the pools are written in place and must not require a gradient");
+  }
+  DIMATTN_CHECK(!is_floating(slots.dtype()) && slots.dtype() != DType::boolean, op,
+                "slots must be an integer tensor, got ", dtype_name(slots.dtype()));
   const std::vector<int64_t> slot_of = host_ints(slots, tokens);
   const int64_t capacity = c.block.extent() * c.slot.extent();
   for (size_t t = 0; t < slot_of.size(); ++t)

@@ -80,9 +80,8 @@ def _run(q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, causal, 
         raise Error(f"{op} window_size={window_size}: the left side must be -1 (no window) or >= 0")
     if softcap < 0:
         raise Error(f"{op} softcap={softcap} must be >= 0 (0: no soft-capping)")
-    if q.shape[-1] == 0 and softmax_scale is None:
-        raise Error(f"{op} q {tuple(q.shape)} has head_dim 0: the default scale 1/sqrt(head_dim) is undefined; "
-                    "give softmax_scale")
+    if q.shape[-1] == 0:
+        raise Error(f"{op} q {tuple(q.shape)} has head_dim 0: scores need at least one feature")
     packed = cu_seqlens_q is not None
     seqlens_q = None
     if packed:

@@ -255,6 +255,27 @@ TEST_P(KvCache, RandomCasesMatchThePlainCache) {
   EXPECT_GE(many_rows, 3);  // blocks past the direct products' rows
 }
 
+// A query whose kv-head and group dims lie the other way round in memory
+// (the kernel's heads do not merge): cpu_flash reads a copy of it, which must
+// live through the call (ASan caught a copy freed before the kernel read it).
+TEST_P(KvCache, QueryInAnotherDimOrderIsCopiedForTheKernel) {
+  int ran = 0;
+  for (const int64_t tq : {0, 3}) {
+    const CacheCase s{.lengths = {37, 5, 0, 16}, .Tq = tq};
+    Built b = build(s, GetParam());
+    Dims order{b.group, b.batch, b.kv_heads, b.feat};
+    if (b.q_spatial) order.insert(order.begin() + 1, *b.q_spatial);
+    b.query = random_normal(order, 9, {.backend = GetParam()});  // laid out in `order`
+    const Tensor want = plain(b, s);
+    TraceScope trace(false);
+    EXPECT_LT(max_abs_diff(paged(b, s), want, want.dims()), tol(s.dtype)) << "Tq " << tq;
+    ASSERT_EQ(trace.records().size(), 1u);
+    EXPECT_EQ(trace.records()[0].kernel, "cpu_flash");
+    ++ran;
+  }
+  EXPECT_EQ(ran, 2);
+}
+
 TEST_P(KvCache, BadTablesAndPoolsAreErrors) {
   CacheCase s{.Tq = 1};
   Built b = build(s, GetParam());

@@ -36,6 +36,7 @@
 #include "dimattn/run_context.h"
 #include "dimattn/testing/cases.h"
 #include "dimattn/trace.h"
+#include "fuzz/fuzz_util.h"
 
 using namespace dimattn;
 
@@ -50,38 +51,12 @@ std::function<std::string()> describe_call;
   std::abort();
 }
 
-// A tensor's values on the host, read by named index.
-struct Host {
-  Dims dims;
-  std::vector<double> data;
-  std::vector<int64_t> strides;
-  explicit Host(const Tensor& t) : dims(t.dims()), data(to_host(t)), strides(dims.size()) {
-    int64_t s = 1;
-    for (int a = static_cast<int>(dims.size()) - 1; a >= 0; --a) {
-      strides[a] = s;
-      s *= dims[a].extent();
-    }
-  }
-  double at(const std::map<Dim, int64_t>& idx) const {
-    int64_t off = 0;
-    for (size_t a = 0; a < dims.size(); ++a) off += idx.at(dims[a]) * strides[a];
-    return data[static_cast<size_t>(off)];
-  }
-};
+using fuzz::Host;
+using fuzz::pick_dtype;
 
 void add_unique(Dims& out, const Dims& in, const Dims& skip) {
   for (const Dim& d : in)
     if (!contains(skip, d) && !contains(out, d)) out.push_back(d);
-}
-
-DType pick_dtype(FuzzedDataProvider& in) {
-  switch (in.ConsumeIntegralInRange<int>(0, 15)) {
-    case 12: return DType::float64;
-    case 13: return DType::bfloat16;
-    case 14: return DType::float16;
-    case 15: return DType::int32;
-    default: return DType::float32;
-  }
 }
 
 // Dims picked from the pool by a bitmask, in an order the input chooses;
@@ -98,23 +73,7 @@ Dims pick_dims(FuzzedDataProvider& in, const Dims& pool) {
 
 }  // namespace
 
-// One thread for dimattn's own CPU kernels: a fuzzer uses one core (the
-// thread pool is the concurrency tests' and TSan's subject, not this one's).
-extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  setenv("DIMATTN_NUM_THREADS", "1", /*overwrite=*/0);
-  return 0;
-}
-
-// DIMATTN_FUZZ_STATS=1: how many inputs gave a result, an error, or ran the
-// value check, printed at exit (to see that inputs reach the kernels).
-struct Stats {
-  long results = 0, errors = 0, checked = 0;
-  ~Stats() {
-    if (std::getenv("DIMATTN_FUZZ_STATS"))
-      std::fprintf(stderr, "fuzz_dot_attention: %ld results (%ld value-checked), %ld errors\n", results, checked,
-                   errors);
-  }
-} stats;
+fuzz::Stats stats{"fuzz_dot_attention"};
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider in(data, size);
@@ -410,19 +369,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         e.push_back(s);
         js.push_back(j);
       }
-      double want = 0;
       const bool sink = hsinks || o.variants.sink_off_by_one;
-      if (!e.empty()) {
-        const double sink_logit = hsinks ? hsinks->at(idx) : 0.0;
-        const double mx = std::max(*std::max_element(e.begin(), e.end()), sink ? sink_logit : -INFINITY);
-        double z = sink ? std::exp(sink_logit - mx) : 0.0;
-        for (double x : e) z += std::exp(x - mx);
-        std::map<Dim, int64_t> vi = idx;
-        for (size_t t = 0; t < e.size(); ++t) {
-          vi[o.axis] = js[t];
-          want += std::exp(e[t] - mx) / z * hv.at(vi);
-        }
-      }
+      std::map<Dim, int64_t> vi = idx;
+      const double want = fuzz::softmax_average(e, sink && !e.empty() ? std::optional<double>(hsinks ? hsinks->at(idx) : 0.0)
+                                                                       : std::nullopt,
+                                                [&](size_t t) {
+                                                  vi[o.axis] = js[t];
+                                                  return hv.at(vi);
+                                                });
       const double got = ho.data[flat];
       if (!(std::abs(got - want) <= tol * std::max(1.0, std::abs(want))))
         fail("result element " + std::to_string(flat) + " is " + std::to_string(got) + ", plain loops give " +

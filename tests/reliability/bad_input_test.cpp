@@ -553,6 +553,20 @@ const std::map<std::string, ErrorCase>& error_cases() {
           kv_cache_attention(f.q, f.cache({0, 1, 2, 0}),
                              {.key_dim = e.feat, .lengths = e.lens({4, 3}, DType::float32)});
         }}},
+      {"kv_cache_query_lacks_query_spatial",
+       {[](const Ex& e) {
+          const KvFixture f(e);
+          kv_cache_attention(f.q, f.cache({0, 1, 2, 0}),
+                             {.key_dim = e.feat, .lengths = e.lens({4, 3}), .query_spatial = e.time});
+        }}},
+      {"kv_cache_alibi_over_other_dim",
+       {[](const Ex& e) {
+          const KvFixture f(e);
+          const Tensor q = random_normal({e.batch, e.time, e.feat}, 1, e.f32);
+          KvCacheAttentionOptions o{.key_dim = e.feat, .lengths = e.lens({4, 3}), .query_spatial = e.time};
+          o.variants.alibi_slopes = random_normal({e.time}, 4, e.f32);
+          kv_cache_attention(q, f.cache({0, 1, 2, 0}), o);
+        }}},
       {"kv_cache_slot_twice",
        {[](const Ex& e) {
           const KvFixture f(e);
