@@ -2,7 +2,8 @@
 // with mixed configurations, per-thread kernel forcing and tracing. Every
 // result must be bitwise equal to its single-threaded value, every trace
 // record must name the kernel that the single-threaded run used, and the
-// selection counters must add up. The TSan preset runs these tests.
+// selection counters must add up. Decoding threads append to and read one
+// shared pair of kv pools. The TSan preset runs these tests.
 #include <atomic>
 #include <cstring>
 #include <functional>
@@ -16,7 +17,8 @@
 #include "dimattn/attention.h"
 #include "dimattn/ext/backend.h"
 #include "dimattn/forcing.h"
-#include "dimattn/ext/backend.h"
+#include "dimattn/kv_cache.h"
+#include "dimattn/ops.h"
 #include "dimattn/registry.h"
 #include "dimattn/run_context.h"
 #include "dimattn/trace.h"
@@ -283,6 +285,76 @@ TEST(Concurrency, ForcingTracingAndRunContextArePerThread) {
     });
   for (auto& th : threads) th.join();
   EXPECT_EQ(errors.load(), 0);
+}
+
+// Decoding sequences on threads of their own over one shared pair of pools
+// (a server's workers): each thread appends its sequence's next key and
+// value to its own blocks, then attends over its whole sequence, long
+// enough (> 2 x decode_min_chunk_positions()) for cpu_flash's decode path to
+// split it into chunks that it merges.
+// Every step's output must be bitwise equal to a replay of the same steps
+// on one thread.
+TEST(Concurrency, DecodingThreadsShareKvPools) {
+  constexpr int kSeqs = 4, kSteps = 40, kStart = 4500, kBlock = 16, kBlocksPer = (kStart + kSteps) / kBlock + 1;
+  for (const std::string& be : backend_names()) {
+    const TensorOptions f32{.backend = be}, i64{.dtype = DType::int64, .backend = be};
+    const Dim block("block", kSeqs * kBlocksPer), slot("slot", kBlock), kv_heads("kv_heads", 2), group("group", 4),
+        feat("feat", 64), one("one", 1), table("table", kBlocksPer), token("token", 1);
+    // Sequence s owns blocks [s * kBlocksPer, (s + 1) * kBlocksPer), in reverse order.
+    auto table_of = [&](int s) {
+      std::vector<double> t;
+      for (int b = 0; b < kBlocksPer; ++b) t.push_back((s + 1) * kBlocksPer - 1 - b);
+      return from_host({one, table}, t, {.dtype = DType::int32, .backend = be});
+    };
+    auto slot_of = [&](int s, int64_t pos) {
+      return (static_cast<double>((s + 1) * kBlocksPer - 1 - pos / kBlock)) * kBlock + static_cast<double>(pos % kBlock);
+    };
+    // Step i of sequence s: its new key, value and query.
+    auto operand = [&](const Dims& dims, int s, int i, int which) {
+      return random_normal(dims, static_cast<uint64_t>(1000 * s + 3 * i + which), f32);
+    };
+    // Runs sequence s's steps on pools that hold its first kStart positions.
+    auto decode = [&](const PagedKvCache& pools, int s) {
+      const PagedKvCache mine{pools.keys, pools.values, block, slot, table_of(s), table};
+      std::vector<std::vector<double>> outs;
+      TraceScope trace(false);
+      for (int i = 0; i < kSteps; ++i) {
+        const int64_t pos = kStart + i;
+        kv_cache_append(mine, operand({token, kv_heads, feat}, s, i, 0), operand({token, kv_heads, feat}, s, i, 1),
+                        from_host({token}, {slot_of(s, pos)}, i64));
+        const Tensor out = kv_cache_attention(operand({one, kv_heads, group, feat}, s, i, 2), mine,
+                                              {.key_dim = feat, .lengths = from_host({one}, {static_cast<double>(pos + 1)}, i64)});
+        outs.push_back(to_host(out, Dims{one, kv_heads, group, feat}));
+        if (trace.records().back().kernel != "cpu_flash") outs.back().clear();  // not in place: fails below
+      }
+      return outs;
+    };
+    auto fresh_pools = [&] {
+      const Dims pool{block, slot, kv_heads, feat};
+      const PagedKvCache p{random_normal(pool, 1, f32), random_normal(pool, 2, f32), block, slot, table_of(0), table};
+      return p;
+    };
+
+    std::vector<std::vector<std::vector<double>>> want;
+    {
+      const PagedKvCache pools = fresh_pools();
+      for (int s = 0; s < kSeqs; ++s) want.push_back(decode(pools, s));
+    }
+    const PagedKvCache pools = fresh_pools();
+    std::vector<std::vector<std::vector<double>>> got(kSeqs);
+    std::vector<std::thread> threads;
+    for (int s = 0; s < kSeqs; ++s) threads.emplace_back([&, s] { got[s] = decode(pools, s); });
+    for (auto& th : threads) th.join();
+    for (int s = 0; s < kSeqs; ++s) {
+      ASSERT_EQ(got[s].size(), static_cast<size_t>(kSteps)) << be;
+      for (int i = 0; i < kSteps; ++i)
+        ASSERT_TRUE(got[s][i].size() == 2 * 4 * 64 && want[s][i].size() == got[s][i].size())
+            << be << " sequence " << s << " step " << i << ": not read in place by cpu_flash";
+      for (int i = 0; i < kSteps; ++i)
+        EXPECT_EQ(std::memcmp(got[s][i].data(), want[s][i].data(), got[s][i].size() * sizeof(double)), 0)
+            << be << " sequence " << s << " step " << i;
+    }
+  }
 }
 
 }  // namespace
