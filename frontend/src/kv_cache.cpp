@@ -28,20 +28,27 @@ struct Roles {
   Dim value_feature{"", 0};
 };
 
+void check_integer(const char* op, const Tensor& t, const char* name) {
+  DIMATTN_CHECK(!is_floating(t.dtype()) && t.dtype() != DType::boolean, op, name, " must be an integer tensor, got ",
+                dtype_name(t.dtype()));
+}
+
+void check_pool_dims(const char* op, const PagedKvCache& c) {
+  for (const Tensor* pool : {&c.keys, &c.values})
+    DIMATTN_CHECK(pool->has(c.block) && pool->has(c.slot), op, "the pools need the block dim ", c.block.repr(),
+                  " and the slot dim ", c.slot.repr(), "; got keys ", repr(c.keys.dims()), ", values ",
+                  repr(c.values.dims()));
+}
+
 Roles roles_of(const Tensor& q, const PagedKvCache& c, const KvCacheAttentionOptions& o, const Dim& q_spatial) {
   const Dim &block = c.block, &slot = c.slot;
-  DIMATTN_CHECK(!is_floating(c.block_table.dtype()) && c.block_table.dtype() != DType::boolean, kOp,
-                "block_table must be an integer tensor, got ", dtype_name(c.block_table.dtype()));
+  check_integer(kOp, c.block_table, "block_table");
   DIMATTN_CHECK(c.block_table.has(c.table), kOp, "block_table ", repr(c.block_table.dims()), " lacks its table dim ",
                 c.table.repr());
-  for (const Tensor* pool : {&c.keys, &c.values})
-    DIMATTN_CHECK(pool->has(block) && pool->has(slot), kOp, "the pools need the block dim ", block.repr(),
-                  " and the slot dim ", slot.repr(), "; got keys ", repr(c.keys.dims()), ", values ",
-                  repr(c.values.dims()));
+  check_pool_dims(kOp, c);
   DIMATTN_CHECK(slot.extent() > 0, kOp, "the slot dim ", slot.repr(), " (the block size) holds no position; ",
                 "a block must hold at least one");
-  DIMATTN_CHECK(!is_floating(o.lengths.dtype()) && o.lengths.dtype() != DType::boolean, kOp,
-                "lengths must be an integer tensor, got ", dtype_name(o.lengths.dtype()));
+  check_integer(kOp, o.lengths, "lengths");
   DIMATTN_CHECK(c.keys.has(o.key_dim) && q.has(o.key_dim), kOp, "query ", repr(q.dims()), " and keys ",
                 repr(c.keys.dims()), " must both have key_dim ", o.key_dim.repr());
   DIMATTN_CHECK(o.key_dim.extent() > 0, kOp, "key_dim ", o.key_dim.repr(), " is empty: scores need at least one "
@@ -209,14 +216,10 @@ void kv_cache_append(const PagedKvCache& c, const Tensor& keys, const Tensor& va
   constexpr const char* op = "kv_cache_append";
   const Dims tokens = slots.dims();
   Backend& be = c.keys.backend();
-  for (const Tensor* pool : {&c.keys, &c.values}) {
-    DIMATTN_CHECK(pool->has(c.block) && pool->has(c.slot), op, "the pools need the block dim ", c.block.repr(),
-                  " and the slot dim ", c.slot.repr(), "; got keys ", repr(c.keys.dims()), ", values ",
-                  repr(c.values.dims()));
+  check_pool_dims(op, c);
+  for (const Tensor* pool : {&c.keys, &c.values})
     DIMATTN_CHECK(!pool->requires_grad(), op, "the pools are written in place and must not require a gradient");
-  }
-  DIMATTN_CHECK(!is_floating(slots.dtype()) && slots.dtype() != DType::boolean, op,
-                "slots must be an integer tensor, got ", dtype_name(slots.dtype()));
+  check_integer(op, slots, "slots");
   const std::vector<int64_t> slot_of = host_ints(slots, tokens);
   const int64_t capacity = c.block.extent() * c.slot.extent();
   for (size_t t = 0; t < slot_of.size(); ++t)
