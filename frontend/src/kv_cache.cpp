@@ -33,6 +33,14 @@ void check_integer(const char* op, const Tensor& t, const char* name) {
                 dtype_name(t.dtype()));
 }
 
+// |a| x |b| positions, refused where it does not fit an int64.
+int64_t positions(const char* op, const Dim& a, const Dim& b) {
+  int64_t n = 0;
+  DIMATTN_CHECK(!__builtin_mul_overflow(a.extent(), b.extent(), &n), op, a.repr(), " x ", b.repr(),
+                " positions do not fit a 64-bit count");
+  return n;
+}
+
 void check_pool_dims(const char* op, const PagedKvCache& c) {
   for (const Tensor* pool : {&c.keys, &c.values})
     DIMATTN_CHECK(pool->has(c.block) && pool->has(c.slot), op, "the pools need the block dim ", c.block.repr(),
@@ -56,7 +64,8 @@ Roles roles_of(const Tensor& q, const PagedKvCache& c, const KvCacheAttentionOpt
   DIMATTN_CHECK(c.keys.dtype() == q.dtype() && c.values.dtype() == q.dtype(), kOp, "query, keys and values must ",
                 "share one dtype; got ", dtype_name(q.dtype()), ", ", dtype_name(c.keys.dtype()), ", ",
                 dtype_name(c.values.dtype()), " (cast the query to the cache's dtype)");
-  DIMATTN_CHECK(is_floating(q.dtype()), kOp, "needs floating query, keys and values; got ", dtype_name(q.dtype()));
+  DIMATTN_CHECK(is_floating(q.dtype()), kOp, "needs floating query, keys and values; got ", dtype_name(q.dtype()),
+                " (cast them to float32, bfloat16, float16 or float64)");
   Roles r;
   r.batch = detail::without(c.block_table.dims(), {c.table});
   r.kv_heads = detail::without(c.keys.dims(), {block, slot, o.key_dim});
@@ -81,13 +90,14 @@ void check_table(const PagedKvCache& c, const Dims& batch, const Tensor& lengths
   Dims order = batch;
   order.push_back(c.table);
   const std::vector<int64_t> table = host_ints(c.block_table, order);
-  const int64_t cap = c.table.extent(), bs = c.slot.extent(), blocks = c.block.extent();
+  const int64_t cap = c.table.extent(), bs = c.slot.extent(), blocks = c.block.extent(),
+                capacity = positions(kOp, c.table, c.slot);
   // Each length in range (over the lengths' own dims: also those that no
   // sequence uses, where the batch is empty).
   const std::vector<int64_t> own = host_ints(lengths, lengths.dims());
   for (size_t i = 0; i < own.size(); ++i) {
     DIMATTN_CHECK(own[i] >= 0, kOp, "lengths[", i, "] = ", own[i], " is negative; a sequence holds 0 or more positions");
-    DIMATTN_CHECK(own[i] <= cap * bs, kOp, "lengths[", i, "] = ", own[i], " is past the block table's ",
+    DIMATTN_CHECK(own[i] <= capacity, kOp, "lengths[", i, "] = ", own[i], " is past the block table's ",
                   "capacity of ", cap, " blocks of ", bs, " positions (", c.table.repr(), " x ", c.slot.repr(),
                   "); give the table more columns");
   }
@@ -116,8 +126,8 @@ const KernelEntry* paged_kernel(const Tensor& q) {
 }  // namespace
 
 std::pair<Tensor, Tensor> kv_cache_gather(const PagedKvCache& c, const Tensor& lengths, Dim* axis) {
-  const int64_t bs = c.slot.extent(), cap = c.table.extent();
-  const Dim kv = Dim::dynamic("kv_cache", cast(lengths, DType::int64), cap * bs);
+  const int64_t bs = c.slot.extent();
+  const Dim kv = Dim::dynamic("kv_cache", cast(lengths, DType::int64), positions("kv_cache_gather", c.table, c.slot));
   // Entries past a sequence's blocks may hold anything: read block 0 there
   // (masked by the lengths).
   const Tensor used = compare(range_over_dim(c.table, detail::options_like(lengths, DType::int64)) * static_cast<double>(bs), Compare::lt,
@@ -221,7 +231,7 @@ void kv_cache_append(const PagedKvCache& c, const Tensor& keys, const Tensor& va
     DIMATTN_CHECK(!pool->requires_grad(), op, "the pools are written in place and must not require a gradient");
   check_integer(op, slots, "slots");
   const std::vector<int64_t> slot_of = host_ints(slots, tokens);
-  const int64_t capacity = c.block.extent() * c.slot.extent();
+  const int64_t capacity = positions(op, c.block, c.slot);
   for (size_t t = 0; t < slot_of.size(); ++t)
     DIMATTN_CHECK(slot_of[t] < capacity, op, "slots[", t, "] = ", slot_of[t], " is past the pools' ", capacity,
                   " slots (", c.block.repr(), " x ", c.slot.repr(), ")");
@@ -232,7 +242,14 @@ void kv_cache_append(const PagedKvCache& c, const Tensor& keys, const Tensor& va
   const auto twice = std::adjacent_find(used.begin(), used.end());
   DIMATTN_CHECK(twice == used.end(), op, "slots give slot ", twice == used.end() ? 0 : *twice, " to more than one ",
                 "token: which one would stay is undefined; give each token its own slot");
-  auto write = [&](const Tensor& pool, const Tensor& x, const char* what) {
+  // Both operands are checked and laid out before either pool is written, so
+  // that a bad one leaves both pools as they were.
+  struct Write {
+    HostView pool, rows;  // the pool over {block, slot, rest...}; the tokens' rows over {tokens..., rest...}
+    RawPtr rows_copy;     // what `rows` points into
+    int64_t esize, row;   // bytes per element, elements per token's row
+  };
+  auto plan = [&](const Tensor& pool, const Tensor& x, const char* what) {
     const Dims rest = detail::without(pool.dims(), {c.block, c.slot});  // kv heads and the feature dim
     for (const Dim& d : x.dims())
       DIMATTN_CHECK(contains(tokens, d) || contains(rest, d), op, what, " ", repr(x.dims()), " has ", d.repr(),
@@ -249,30 +266,32 @@ void kv_cache_append(const PagedKvCache& c, const Tensor& keys, const Tensor& va
     const RawPtr xd = be.contiguous(raw_in_order(op, x, x_order, true));
     const std::optional<HostView> xv = be.host_view(xd);
     DIMATTN_CHECK(xv.has_value(), op, what, " must be a CPU tensor like the pools");
+    return Write{*p, *xv, xd, dtype_size(pool.dtype()), product(rest)};
+  };
+  const Write writes[] = {plan(c.keys, keys, "keys"), plan(c.values, values, "values")};
+  for (const Write& w : writes) {
     // Each token's row of the pool (every kv head and feature) at its slot.
-    const int64_t esize = dtype_size(pool.dtype()), row = product(rest);
-    Shape sizes(p->sizes.begin() + 2, p->sizes.end());
-    std::vector<int64_t> strides(p->strides.begin() + 2, p->strides.end());
-    auto* dst = static_cast<char*>(p->data);
-    const auto* src = static_cast<const char*>(xv->data);
+    const HostView& p = w.pool;
+    Shape sizes(p.sizes.begin() + 2, p.sizes.end());
+    std::vector<int64_t> strides(p.strides.begin() + 2, p.strides.end());
+    auto* dst = static_cast<char*>(p.data);
+    const auto* src = static_cast<const char*>(w.rows.data);
     // Copied a run at a time: the pool's innermost dim when it is dense (the feature dim), else an element.
     const int64_t run = !sizes.empty() && strides.back() == 1 ? sizes.back() : 1;
     for (size_t t = 0; t < slot_of.size(); ++t) {
       if (slot_of[t] < 0) continue;
-      char* base = dst + (slot_of[t] / c.slot.extent() * p->strides[0] + slot_of[t] % c.slot.extent() * p->strides[1]) * esize;
-      for (int64_t i = 0; i < row; i += run) {
+      char* base = dst + (slot_of[t] / c.slot.extent() * p.strides[0] + slot_of[t] % c.slot.extent() * p.strides[1]) * w.esize;
+      for (int64_t i = 0; i < w.row; i += run) {
         int64_t off = 0, rem = i;
         for (size_t a = sizes.size(); a-- > 0;) {
           off += rem % sizes[a] * strides[a];
           rem /= sizes[a];
         }
-        std::memcpy(base + off * esize, src + (static_cast<int64_t>(t) * row + i) * esize,
-                    static_cast<size_t>(run * esize));
+        std::memcpy(base + off * w.esize, src + (static_cast<int64_t>(t) * w.row + i) * w.esize,
+                    static_cast<size_t>(run * w.esize));
       }
     }
-  };
-  write(c.keys, keys, "keys");
-  write(c.values, values, "values");
+  }
 }
 
 }  // namespace dimattn

@@ -45,7 +45,7 @@ std::tuple<at::Tensor, std::string> kv_cache_attention_op(const at::Tensor& q, c
     TORCH_CHECK(t->device() == q.device() && (q.is_cpu() || q.is_cuda()), op, "q, k_cache and v_cache must be on one ",
                 "device, cpu or cuda; got ", q.device(), ", ", k_cache.device(), ", ", v_cache.device());
   TORCH_CHECK(Hkv > 0, op, "the cache has no kv heads: k_cache ", k_cache.sizes(), " (kv_layout ",
-              heads_outer ? "HND" : "NHD", ")");
+              heads_outer ? "HND" : "NHD", "); give it at least one, or check kv_layout");
   TORCH_CHECK(H % Hkv == 0, op, "q's ", H, " heads must be a multiple of the cache's ", Hkv, " kv heads");
   TORCH_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(hax) == Hkv && v_cache.size(sax) == k_cache.size(sax),
               op, "v_cache ", v_cache.sizes(), " must match k_cache ", k_cache.sizes(), " but for its last dim");
@@ -54,12 +54,18 @@ std::tuple<at::Tensor, std::string> kv_cache_attention_op(const at::Tensor& q, c
   TORCH_CHECK(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B && at::isIntegralType(cache_seqlens.scalar_type(), false),
               op, "cache_seqlens must be [batch] = [", B, "] integers, got ", cache_seqlens.sizes(), " ",
               cache_seqlens.scalar_type());
+  if (B > 0) {
+    const int64_t least = cache_seqlens.min().item<int64_t>();
+    TORCH_CHECK(least >= 0, op, "cache_seqlens holds ", least, ": a sequence holds 0 or more positions");
+  }
   if (block_table) {
     TORCH_CHECK(block_table->dim() == 2 && block_table->size(0) == B, op, "block_table must be [batch, max_blocks] with ",
                 "batch = ", B, ", got ", block_table->sizes());
   } else {
-    TORCH_CHECK(k_cache.size(0) == B, op, "a contiguous cache holds one sequence per row of its first dim, so k_cache ",
-                k_cache.sizes(), " must have q's batch ", B, " there; slice it, or pass a block_table to pick rows");
+    // FlashAttention's convention: a cache of more rows than the batch (allocated for the largest batch) serves
+    // sequences 0..B-1 from its first rows.
+    TORCH_CHECK(k_cache.size(0) >= B, op, "a contiguous cache holds one sequence per row of its first dim, so k_cache ",
+                k_cache.sizes(), " needs at least q's batch of ", B, " rows there");
   }
   const Dim batch("batch", B), kv_heads("kv_heads", Hkv), group("group", H / Hkv), feat("head_dim", D),
       vfeat("head_dim_v", v_cache.size(3)), block("block", k_cache.size(0)), slot("slot", k_cache.size(sax));

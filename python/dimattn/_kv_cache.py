@@ -78,8 +78,10 @@ def _run(q, k_cache, v_cache, cache_seqlens, block_table, cu_seqlens_q, causal, 
         raise Error(f"{op} window_size={window_size}: only a left window is supported here")
     if window_size[0] < -1:
         raise Error(f"{op} window_size={window_size}: the left side must be -1 (no window) or >= 0")
-    if softcap < 0:
-        raise Error(f"{op} softcap={softcap} must be >= 0 (0: no soft-capping)")
+    if not (softcap >= 0 and math.isfinite(softcap)):
+        raise Error(f"{op} softcap={softcap} must be finite and >= 0 (0: no soft-capping)")
+    if softmax_scale is not None and not math.isfinite(softmax_scale):
+        raise Error(f"{op} softmax_scale={softmax_scale} must be finite; leave it None for 1/sqrt(head_dim)")
     if q.shape[-1] == 0:
         raise Error(f"{op} q {tuple(q.shape)} has head_dim 0: scores need at least one feature")
     packed = cu_seqlens_q is not None
@@ -196,7 +198,7 @@ def kv_cache_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
     slots = slot_mapping[keep].long()
     used, counts = slots.unique(return_counts=True)
     if bool((counts > 1).any()):
-        raise Error(f"{op} slot_mapping gives slot {int(used[counts > 1][0])} to {int(counts.max())} tokens: which "
+        raise Error(f"{op} slot_mapping gives slot {int(used[counts > 1][0])} to {int(counts[counts > 1][0])} tokens: which "
                     "one would stay is undefined; give each token its own slot")
     if slots.numel() and int(slots.max()) >= capacity:
         raise Error(f"{op} slot {int(slots.max())} is past the pools' {capacity} slots "

@@ -244,13 +244,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       nk.insert(nk.end(), kv_heads.begin(), kv_heads.end());
       nv.insert(nv.end(), kv_heads.begin(), kv_heads.end());
       nk.push_back(feat), nv.push_back(vfeat);
-      maybe_spoil(in, nk, groups.empty() ? table : groups[0]);
+      maybe_spoil(in, nk, groups.empty() ? table : groups[0]), maybe_spoil(in, nv, slot);
       shuffle(in, nk), shuffle(in, nv);
       const Tensor new_k = testing::random_operand(nk, 7, pool_dt, be), new_v = testing::random_operand(nv, 8, pool_dt, be);
       const Host before_k(cache.keys), before_v(cache.values);
       op = "[kv_cache_append]";
       calling = true;
-      kv_cache_append(cache, new_k, new_v, slot_t);
+      try {
+        kv_cache_append(cache, new_k, new_v, slot_t);
+      } catch (const dimattn::Error&) {
+        // A refused append writes nothing.
+        if (Host(cache.keys).data != before_k.data || Host(cache.values).data != before_v.data)
+          fail("kv_cache_append raised an error after writing a pool");
+        throw;
+      }
       calling = false;
       op = "[kv_cache_attention]";
       // Which token each slot got (the call refuses a slot given twice).

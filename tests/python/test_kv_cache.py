@@ -199,7 +199,7 @@ _Q, _TABLE, _LEN = torch.randn(1, 1, 4, 8), torch.tensor([[0, 1]], dtype=torch.i
 # Malformed arguments, each with the beginning of its error (after the op's name).
 MALFORMED = {
     "negative length": (lambda: da.kv_cache_attention(_Q, *_pools(), torch.tensor([-3]), _TABLE),
-                        r"lengths\[0\] = -3 is negative"),
+                        "cache_seqlens holds -3: a sequence holds 0 or more positions"),
     "float lengths": (lambda: da.kv_cache_attention(_Q, *_pools(), torch.tensor([5.0]), _TABLE),
                       r"cache_seqlens must be \[batch\] = \[1\] integers"),
     "lengths of another batch": (lambda: da.kv_cache_attention(_Q, *_pools(), torch.tensor([5, 6]), _TABLE),
@@ -219,16 +219,20 @@ MALFORMED = {
                    r"q \(1, 1, 4, 0\) has head_dim 0: scores need at least one feature"),
     "no kv heads": (lambda: da.kv_cache_attention(torch.randn(1, 1, 0, 8), *_pools(kv_heads=0), _LEN, _TABLE),
                     "the cache has no kv heads"),
-    "contiguous cache of another batch": (lambda: da.kv_cache_attention(_Q, *_pools(blocks=2), _LEN),
-                                          "a contiguous cache holds one sequence per row"),
+    "contiguous cache of fewer rows than the batch": (lambda: da.kv_cache_attention(_Q.repeat(2, 1, 1, 1),
+                                                                                    *_pools(blocks=1), _LEN.repeat(2)),
+                                                      r"a contiguous cache holds one sequence per row of its first "
+                                                      r"dim, so k_cache \[1, 16, 2, 8\] needs at least q's batch of 2"),
     "pools on meta": (lambda: da.kv_cache_attention(_Q, *(p.to("meta") for p in _pools()), _LEN, _TABLE),
                       "q, k_cache and v_cache must be on one device"),
     "NaN scale": (lambda: da.kv_cache_attention(_Q, *_pools(), _LEN, _TABLE, softmax_scale=float("nan")),
-                  "scale must be finite, got nan"),
+                  "softmax_scale=nan must be finite"),
+    "NaN softcap": (lambda: da.kv_cache_attention(_Q, *_pools(), _LEN, _TABLE, softcap=float("nan")),
+                    "softcap=nan must be finite and >= 0"),
     "window left -5": (lambda: da.kv_cache_attention(_Q, *_pools(), _LEN, _TABLE, window_size=(-5, 0)),
                        r"window_size=\(-5, 0\): the left side must be -1"),
     "negative softcap": (lambda: da.kv_cache_attention(_Q, *_pools(), _LEN, _TABLE, softcap=-1.0),
-                         "softcap=-1.0 must be >= 0"),
+                         "softcap=-1.0 must be finite and >= 0"),
     "float cu_seqlens_q": (lambda: da.kv_cache_attention(torch.randn(3, 4, 8), *_pools(), _LEN, _TABLE,
                                                          torch.tensor([0.0, 3.0])),
                            "cu_seqlens_q must be an integer tensor"),
@@ -250,8 +254,8 @@ MALFORMED = {
     "append: float slots": (lambda: da.kv_cache_append(*_pools(), torch.randn(1, 2, 8), torch.randn(1, 2, 8),
                                                        torch.tensor([0.0])),
                             "slot_mapping must be an integer tensor"),
-    "append: a slot twice": (lambda: da.kv_cache_append(*_pools(), torch.randn(3, 2, 8), torch.randn(3, 2, 8),
-                                                        torch.tensor([3, -1, 3])),
+    "append: a slot twice": (lambda: da.kv_cache_append(*_pools(), torch.randn(6, 2, 8), torch.randn(6, 2, 8),
+                                                        torch.tensor([3, -1, 3, 5, 5, 5])),
                              "slot_mapping gives slot 3 to 2 tokens"),
 }
 
@@ -271,11 +275,24 @@ def test_a_pool_without_blocks_gives_zeros(grad):
     """Sequences of no position over pools of no block (an empty cache): zeros, on
     the kernel reading in place and on the gathered pages (a gradient asked)."""
     q = torch.randn(2, 1, 4, 8, requires_grad=grad)
-    out = da.kv_cache_attention(q, *_pools(blocks=0), torch.tensor([0, 0]), torch.zeros(2, 3, dtype=torch.int32))
+    out, kernel = _run(q, *_pools(blocks=0), torch.tensor([0, 0]), torch.zeros(2, 3, dtype=torch.int32), None, True,
+                       None, (-1, -1), 0.0, None, None, "NHD")
     assert out.shape == (2, 1, 4, 8) and not out.any()
+    assert kernel == "cpu_flash"  # in place, or dot_attention's kernel on the gathered pages
     if grad:
         out.sum().backward()
         assert q.grad is not None and not q.grad.any()
+
+
+def test_a_contiguous_cache_of_more_rows_serves_the_first():
+    """FlashAttention's convention: a cache allocated for a larger batch serves
+    sequences 0..B-1 from its first rows."""
+    q, ks, vs, lens = case(B=2, lens=(70, 33))
+    big_k, big_v = torch.cat([ks, torch.randn_like(ks)]), torch.cat([vs, torch.randn_like(vs)])
+    got = da.kv_cache_attention(q, big_k, big_v, lens)
+    assert torch.equal(got, da.kv_cache_attention(q, ks, vs, lens))
+    want = sdpa_per_sequence(q, ks, vs, lens, torch.ones(2, dtype=torch.long))
+    assert (got.double() - want).abs().max() < TOL[q.dtype]
 
 
 def test_no_sequences_give_an_empty_result():

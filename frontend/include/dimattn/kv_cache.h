@@ -22,10 +22,11 @@
 // On the CPU, dimattn's kernel reads the pools in place (cpu_flash's decode
 // path: each kv tile once per kv head, long caches split over the threads);
 // anywhere else, with a gradient asked, or with variants the kernel does not
-// take here (bias, mask, segments, relative positions, per-head values over
-// other dims or with a gradient), the
-// pages are gathered into keys and values (kv_cache_gather) and
-// dot_attention runs on them: the same result, at the cost of the copy.
+// take here (bias, mask, segments, relative positions, ALiBi slopes or sinks
+// with a gradient), the pages are gathered into keys and values
+// (kv_cache_gather) and dot_attention runs on them: the same result, at the
+// cost of the copy. ALiBi slopes and sinks vary over the batch, kv-head and
+// group dims only.
 #include <optional>
 #include <utility>
 
