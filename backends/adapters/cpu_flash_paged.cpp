@@ -84,8 +84,8 @@ Tensor cpu_flash_paged(Backend& be, const PagedAttentionCall& c, const kernels::
   const RawPtr out = be.full(shape, 0.0, c.query.dtype(), kCPU);
   // An empty result, or no sequence with a position (pools perhaps without a
   // block): nothing to read, zeros.
-  if (product(out_dims) == 0 || *std::max_element(lengths.begin(), lengths.end()) == 0)
-    return Tensor(out_dims, c.query.dtype(), c.query.device(), out, &be);
+  const int64_t longest = product(out_dims) == 0 ? 0 : *std::max_element(lengths.begin(), lengths.end());
+  if (longest == 0) return Tensor(out_dims, c.query.dtype(), c.query.device(), out, &be);
   const int64_t G = q.sizes[1] / Hkv;
   const HostView o = host_memory(be)(out);
   const int64_t Dv = c.value_feature.extent();
@@ -95,7 +95,7 @@ Tensor cpu_flash_paged(Backend& be, const PagedAttentionCall& c, const kernels::
   p.q = q.data, p.k = k.data, p.v = v.data, p.out = o.data;
   p.batch = B, p.heads = Hkv * G, p.kv_heads = Hkv;
   p.seqlen_q = Tq;
-  p.seqlen_k = *std::max_element(lengths.begin(), lengths.end());
+  p.seqlen_k = longest;
   p.head_dim = c.key_dim.extent(), p.head_dim_v = Dv;
   p.q_strides = {q.strides[0], q.strides[1], q.strides[2], 1};
   p.k_strides = {0, k.strides[2], k.strides[1], 1};

@@ -101,7 +101,7 @@ void check_table(const PagedKvCache& c, const Dims& batch, const Tensor& lengths
                   "capacity of ", cap, " blocks of ", bs, " positions (", c.table.repr(), " x ", c.slot.repr(),
                   "); give the table more columns");
   }
-  const std::vector<int64_t> lens = host_ints(lengths, batch);
+  const std::vector<int64_t> lens = lengths.dims() == batch ? own : host_ints(lengths, batch);
   for (size_t e = 0; e < lens.size(); ++e) {
     if (!qlens.empty())
       DIMATTN_CHECK(qlens[e] <= lens[e], kOp, "sequence ", e, " has ", qlens[e], " new query positions but only ",
