@@ -27,20 +27,27 @@ def cpu_info():
     return model, " ".join(shown)
 
 
-def interleaved(fns, rounds, clock=time.perf_counter):
+def interleaved(fns, rounds, clock=time.perf_counter, probe=None):
     """Median seconds of each fn, run alternately (each first in turn) after one warm-up each, so
     that load drifts reach every fn alike, and so does what the round before left behind (the first
-    call of a round pays for memory the last one gave back)."""
+    call of a round pays for memory the last one gave back). `probe` (a measure of the machine,
+    e.g. a read of memory): run and timed at the start of every round, so that it sees the same
+    minutes as the fns and precedes each of them equally often; its median comes last."""
     for fn in fns:
         fn()
     times = [[] for _ in fns]
     n = len(fns)
+    probe_times = []
     for r in range(rounds):
+        if probe is not None:
+            t0 = clock()
+            probe()
+            probe_times.append(clock() - t0)
         for i in [(r + j) % n for j in range(n)]:
             t0 = clock()
             fns[i]()
             times[i].append(clock() - t0)
-    return [statistics.median(t) for t in times]
+    return [statistics.median(t) for t in times] + ([statistics.median(probe_times)] if probe_times else [])
 
 
 def _status_kb(field):

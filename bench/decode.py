@@ -14,6 +14,7 @@ through enough copies (>= 512 MiB in all) that each call reads its cache from me
 not from the last level cache. Times are medians of interleaved rounds (bench_timing).
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -31,12 +32,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ROTATE_BYTES = 512 << 20
 
 
-def read_bandwidth(rounds=9):
-    """GB/s of torch's sum over a 1 GiB float32 buffer on the benchmark's threads: a read-only
-    stream (the sum's arithmetic is far below the machine's peak)."""
+@functools.cache
+def read_probe():
+    """A read-only stream for the start of every round of a row: torch's sum over a 1 GiB float32
+    buffer on the benchmark's threads (the sum's arithmetic is far below the machine's peak). Its
+    bytes over its median time are the machine's read bandwidth in those rounds."""
     x = torch.ones(1 << 28)
-    t, = interleaved([lambda: x.sum()], rounds)
-    return x.numel() * 4 / t / 1e9
+    return lambda: x.sum(), x.numel() * 4
 
 
 def caches(B, S, Hkv, D, dtype, copies, hnd):
@@ -101,9 +103,11 @@ def row(B, Tq, S, H, Hkv, dtype, layouts, rounds):
     mask = None if Tq == 1 else torch.ones(Tq, S, dtype=torch.bool).tril(S - Tq)
     fns.append(rotating(lambda i: F.scaled_dot_product_attention(qa, data[True][i][0], data[True][i][1],
                                                                  attn_mask=mask, enable_gqa=True)))
+    # The probe in the same rounds as the calls: the machine's bandwidth drifts with its neighbours' load.
+    probe, probe_bytes = read_probe()
     names = list(layouts) + ["aten"]
-    times = interleaved(fns, rounds)
-    bandwidth = read_bandwidth()  # beside the row: the machine's bandwidth drifts with its neighbours' load
+    *times, probe_time = interleaved(fns, rounds, probe=probe)
+    bandwidth = probe_bytes / probe_time / 1e9
     out = {"B": B, "Tq": Tq, "cache": S, "heads": f"{H}/{Hkv}", "dtype": dtype, "kv_bytes": kv_bytes,
            "read_GBps": bandwidth,
            "ms": {n: tm * 1e3 for n, tm in zip(names, times)}}
@@ -203,7 +207,7 @@ def main():
     a = ap.parse_args()
     model, flags = cpu_info()
     print(f"# {model}; {flags}; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("# read bw: the probe (torch's sum of 1 GiB float32) right after the row")
+    print("# read bw: the probe (torch's sum of 1 GiB float32) at the start of each of the row's rounds")
     print("| B | query rows | cache | heads | dtype | layout | dimattn ms | K+V GB/s | read bw GB/s | % of read bw "
           "| ATen ms | ATen / dimattn |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
