@@ -32,7 +32,13 @@ def interleaved(fns, rounds, clock=time.perf_counter, probe=None):
     that load drifts reach every fn alike, and so does what the round before left behind (the first
     call of a round pays for memory the last one gave back). `probe` (a measure of the machine,
     e.g. a read of memory): run and timed at the start of every round, so that it sees the same
-    minutes as the fns and precedes each of them equally often; its median comes last."""
+    minutes as the fns and precedes each of them in turn (equally often when rounds is a multiple
+    of len(fns)); its median comes last."""
+    def seconds(fn):
+        t0 = clock()
+        fn()
+        return clock() - t0
+
     for fn in fns:
         fn()
     times = [[] for _ in fns]
@@ -40,13 +46,9 @@ def interleaved(fns, rounds, clock=time.perf_counter, probe=None):
     probe_times = []
     for r in range(rounds):
         if probe is not None:
-            t0 = clock()
-            probe()
-            probe_times.append(clock() - t0)
+            probe_times.append(seconds(probe))
         for i in [(r + j) % n for j in range(n)]:
-            t0 = clock()
-            fns[i]()
-            times[i].append(clock() - t0)
+            times[i].append(seconds(fns[i]))
     return [statistics.median(t) for t in times] + ([statistics.median(probe_times)] if probe_times else [])
 
 
