@@ -44,8 +44,11 @@ constexpr bool fwd_decode(int64_t seqlen_q) { return seqlen_q <= 16; }
 // per block), 32k positions, against 8 (then packed; one process, AMD EPYC
 // Zen 4, 2 threads): float32 0.88x the time (AVX2 0.88x), float16 0.66x,
 // bfloat16 0.94x (AVX2 1.06x); 3 positions (12 rows) float32 0.80x.
-// Multi-query blocks (32 rows) are faster packed: direct, float32 took
-// 1.18x, bfloat16 1.08x.
+// Larger blocks (multi-query: 32 rows) take the row products instead
+// (ForwardOperands::kRowProducts, flash_impl/products.h): the tile's rows
+// multiplied by the GEMM micro-kernel where they lie, as the direct
+// products read them, but each k row's element broadcast to many query rows.
+// Against the direct products there, float32 took 1.18x, bfloat16 1.08x.
 constexpr int64_t decode_direct_rows() { return 16; }
 
 // Decoding splits each kv head's positions into chunks of whole tiles when

@@ -33,6 +33,9 @@
 //   forward  tasks (b, h, query block): tiled online softmax over kv tiles;
 //            kv tiles are packed (k transposed, float) once per kv head and
 //            task range, and read by the products as contiguous panels.
+//            Decoding (forward_decode: the query heads of a kv head in one
+//            block, long caches in chunks) reads each tile once, where it
+//            lies: direct products for few rows, row products for more.
 //   backward tasks (b, kv head, kv chunk): for each query head of the group,
 //            for each kv tile, for each query block: recompute P, then dV, dP,
 //            dS, dK (task-local accumulators), dQ (task-local, or a per-chunk

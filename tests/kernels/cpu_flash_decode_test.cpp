@@ -178,6 +178,40 @@ TEST(CpuFlashPaged, HalfPrecisionPoolsSharedPrefixAndSplitCache) {
   EXPECT_EQ(ran, 8);
 }
 
+TEST(CpuFlashPaged, RowProductsReadRunsOfBlocks) {
+  // Decoding blocks of more rows than the direct products take (16 query
+  // heads of a kv head, 2 query positions: 32 rows) multiply each tile as
+  // rows (products.h's row products): read where they lie, run by run over
+  // a pool's blocks (sizes 1, 7 and 16 end runs inside a tile, 512 holds
+  // whole tiles), or converted first (bfloat16, float16). Rows bounded
+  // inside a tile (causal, a window), lengths that end inside a block,
+  // heads-outer pools of small blocks (one task over both kv heads), a split
+  // cache; Dv = 40 is no whole number of AVX-512 vectors (packed there).
+  int ran = 0;
+  for (ElementType t : kAllTypes) {
+    for (int64_t ps : {0, 1, 7, 16, 512})
+      for (bool heads_outer : {false, true}) {
+        if (ps == 0 && heads_outer) continue;
+        Case c = base("row products ps=" + std::to_string(ps) + (heads_outer ? " heads-outer" : ""), t);
+        c.B = 3, c.H = 32, c.Hkv = 2, c.Tq = 2, c.Tk = 600, c.D = 32, c.Dv = 64, c.causal = true;
+        c.kv_lens = {600, 301, 17};
+        c.offsets = {598, 299, 15};
+        c.window_left = 250;
+        c.page_size = ps, c.heads_outer = heads_outer;
+        check_paged(c, ran);
+      }
+    Case s = base("row products split cache", t);
+    s.B = 1, s.H = 32, s.Hkv = 1, s.Tq = 1, s.Tk = 4700, s.D = s.Dv = 32, s.causal = true;
+    s.offsets = {4699};
+    s.page_size = 16;
+    ASSERT_GE(decode_chunks(s), 2);
+    check_paged(s, ran);
+    s.name = "row products Dv=40", s.Dv = 40, s.page_size = 0, s.Tk = 700, s.offsets = {699};
+    check_paged(s, ran);
+  }
+  EXPECT_EQ(ran, 44);
+}
+
 TEST(CpuFlashPaged, RejectsBadTablesAndPools) {
   Case c = base("paged errors");
   c.B = 2, c.H = 2, c.Hkv = 1, c.Tq = 1, c.Tk = 40, c.D = c.Dv = 8, c.page_size = 16;

@@ -45,8 +45,9 @@ struct ForwardScratch {
   // several query blocks of one kv head (and the GQA heads sharing it), so
   // the slots keep every tile of the current (b, kv head) when that fits the
   // budget, and each tile is packed once per range instead of once per query
-  // block. Otherwise (and for decoding, where no tile is read twice) one
-  // slot is repacked.
+  // block. Otherwise one slot is repacked. Decoding reads no tile twice
+  // (!reuse): its products read the rows in place (direct.h, the row
+  // products), the one slot holding at most a tile's rows converted to A.
   int64_t slots;
   int64_t key_b = -1, key_hk = -1;  // whose tiles the slots hold
   int64_t packed = 0;               // many slots: tiles [0, packed) are ready
@@ -54,6 +55,10 @@ struct ForwardScratch {
   Arena<A> arena;
   Operands ops;
   A *s, *o, *m, *l, *z;
+  // Decoding (!reuse): q's columns and the transposed scores of the row
+  // products (ForwardOperands::kRowProducts), [D][bqc] and [ldk][bqc].
+  int64_t bqc;
+  A *qc = nullptr, *st = nullptr;
   std::vector<int64_t> nv;  // per row: end of its valid positions in the current tile
   std::vector<int64_t> lb;  // per row: start of them (windows, segment runs)
   std::vector<BlockHead<A>> heads;  // of the current block (at most one per row)
@@ -76,13 +81,19 @@ struct ForwardScratch {
         dvp(round_up(std::max<int64_t>(p.head_dim_v, 1), Simd<A>::W)),
         slots(reuse ? slots_for(p, bq, bk, ldk, dvp) : 1),
         arena(Operands::need(bq, bk, p.head_dim, ldk, dvp, slots) +
-              Arena<A>::need({bq * ldk, bq * dvp, bq, bq, ldk})),
-        ops(arena, bq, bk, p.head_dim, ldk, dvp, slots) {
+              Arena<A>::need({bq * ldk, bq * dvp, bq, bq, ldk}) +
+              (reuse ? 0 : Arena<A>::need({p.head_dim * round_up(bq, Simd<A>::W), ldk * round_up(bq, Simd<A>::W)}))),
+        ops(arena, bq, bk, p.head_dim, ldk, dvp, slots),
+        bqc(round_up(bq, Simd<A>::W)) {
     s = arena.take(bq * ldk);
     o = arena.take(bq * dvp);
     m = arena.take(bq);
     l = arena.take(bq);
     z = arena.take(ldk);
+    if (!reuse) {
+      qc = arena.take(p.head_dim * bqc);
+      st = arena.take(ldk * bqc);
+    }
     nv.resize(static_cast<size_t>(bq));
     lb.resize(static_cast<size_t>(bq));
     heads.resize(static_cast<size_t>(bq));
@@ -198,6 +209,13 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
                                    qrs);
     ops.pack_q(q, hd.rv - r0, qmul, hd.row0);
   }
+  // More rows over tiles that no other block reads: the row products
+  // (ForwardOperands::kRowProducts), no packing. v's rows are read in whole
+  // vectors, as the direct products read them.
+  const bool row_products = !direct && Operands::kRowProducts && w.st && Dv > 0 && Dv % W == 0;
+  const int64_t mq = round_up(m, W);
+  if constexpr (Operands::kRowProducts)
+    if (row_products) ops.pack_q_columns(m, mq, w.qc);
   // What the products' scores are still to be multiplied by.
   const A smul = ops.score_mul();
   if (rel) {
@@ -255,6 +273,10 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
     typename Operands::VMat vmat{};
     if (direct) {
       ops.direct_scores(m, n, kt, w.s, RowsAhead<S>{&vt, n, Dv * static_cast<int64_t>(sizeof(S))});
+    } else if (row_products) {
+      if constexpr (Operands::kRowProducts) {
+        ops.row_scores(m, n, np, kt, w.qc, mq, w.st, w.s, LineStream<S>(&vt, n, Dv * static_cast<int64_t>(sizeof(S))));
+      }
     } else {
       const int64_t slot = w.tile(k, v, Dv, kv_len, b, hk, j0 / w.bk);
       ops.scores(slot, m, np, w.s, lbs, nvs);
@@ -273,7 +295,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
     // packing reads from L2 instead of memory. Multi-query decoding (B = 1,
     // 32 heads over one, 32k positions): float32 5.9 -> 5.0 ms, bfloat16
     // 3.1 -> 2.4 ms; prefill unchanged (kernel_bench; AMD EPYC Zen 4, 2 threads).
-    const int64_t ahead_n = !direct && next < 0 ? next_n : 0;
+    const int64_t ahead_n = !direct && !row_products && next < 0 ? next_n : 0;
     const RowsAhead<S> k_ahead{&kn, ahead_n, D * static_cast<int64_t>(sizeof(S))},
         v_ahead{&vn, ahead_n, Dv * static_cast<int64_t>(sizeof(S))};
     // Row r (query row i of head hd) weights in srow (its scores on entry),
@@ -345,9 +367,13 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
         ops.weights_ready(r, srow, np);
       }
     }
-    if (direct)
+    if (direct) {
       ops.direct_pv(m, n, Dv, w.s, vt, w.o, dvp, lbs, nvs, RowsAhead<S>{&kn, next_n, D * static_cast<int64_t>(sizeof(S))});
-    else
+    } else if (row_products) {
+      if constexpr (Operands::kRowProducts)
+        ops.row_pv(m, n, w.s, vt, w.o, dvp, lbs, nvs,
+                   LineStream<S>(&kn, std::max<int64_t>(next_n, 0), D * static_cast<int64_t>(sizeof(S))));
+    } else
       ops.add_pv(m, n, w.s, vmat, w.o, dvp, lbs, nvs);
   }
 

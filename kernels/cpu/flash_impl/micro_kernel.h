@@ -30,9 +30,16 @@ constexpr int64_t panel_width() {
   return 2 * static_cast<int64_t>(sizeof(vf) / sizeof(U));
 }
 
-template <class T, class U, bool kATrans, bool kAccumulate, int R, int NV>
+// What a product does besides its multiply-adds, once per k step: nothing,
+// or (LineStream, direct.h) ask for a cache line of other rows towards L2,
+// so that memory streams them while the registers compute.
+struct NoPrefetch {
+  DIMATTN_INLINE void step() {}
+};
+
+template <class T, class U, bool kATrans, bool kAccumulate, int R, int NV, class Pf>
 DIMATTN_INLINE void micro_kernel(int64_t kdim, const U* __restrict a, int64_t lda, const U* __restrict b,
-                                 int64_t ldb, T* __restrict c, int64_t ldc) {
+                                 int64_t ldb, T* __restrict c, int64_t ldc, Pf& pf) {
   using V = typename Simd<T>::V;
   using M = Mac<U>;
   constexpr int W = Simd<T>::W;
@@ -44,6 +51,7 @@ DIMATTN_INLINE void micro_kernel(int64_t kdim, const U* __restrict a, int64_t ld
   for (int64_t kk = 0; kk < kdim; ++kk) {
     const U* bk = b + kk * ldb;
     const U* ak = a + kk * acs;
+    pf.step();
     typename M::V bv[NV];
     DIMATTN_UNROLL for (int v = 0; v < NV; ++v) bv[v] = M::load(bk + v * W);
     DIMATTN_UNROLL for (int r = 0; r < R; ++r) {
@@ -57,13 +65,13 @@ DIMATTN_INLINE void micro_kernel(int64_t kdim, const U* __restrict a, int64_t ld
 }
 
 // The micro-kernel for `rows` rows, 1 <= rows <= R (= kMicroRows).
-template <class T, class U, bool kATrans, bool kAccumulate, int NV, int R = kMicroRows>
+template <class T, class U, bool kATrans, bool kAccumulate, int NV, int R = kMicroRows, class Pf>
 DIMATTN_INLINE void micro_rows(int rows, int64_t kdim, const U* a, int64_t lda, const U* b, int64_t ldb, T* c,
-                               int64_t ldc) {
+                               int64_t ldc, Pf& pf) {
   if constexpr (R > 1) {
-    if (rows < R) return micro_rows<T, U, kATrans, kAccumulate, NV, R - 1>(rows, kdim, a, lda, b, ldb, c, ldc);
+    if (rows < R) return micro_rows<T, U, kATrans, kAccumulate, NV, R - 1>(rows, kdim, a, lda, b, ldb, c, ldc, pf);
   }
-  micro_kernel<T, U, kATrans, kAccumulate, R, NV>(kdim, a, lda, b, ldb, c, ldc);
+  micro_kernel<T, U, kATrans, kAccumulate, R, NV>(kdim, a, lda, b, ldb, c, ldc, pf);
 }
 
 // Causal tiles are triangular, and rows with their own kv lengths ragged:
@@ -103,9 +111,9 @@ BMat<U> panel_major(const U* p, int64_t rows) {
 // micro_kernel) with leading dim lda, C row-major; kdim and lda count
 // operands of U (pairs of k for bfloat16 pairs).
 // pre: n % W == 0 (callers pad tiles to whole vectors); C rows don't overlap.
-template <class T, class U, bool kATrans, bool kAccumulate>
+template <class T, class U, bool kATrans, bool kAccumulate, class Pf = NoPrefetch>
 void gemm(int64_t m, int64_t n, int64_t kdim, const U* a, int64_t lda, const BMat<U>& b, T* c, int64_t ldc,
-          const Ragged& rg) {
+          const Ragged& rg, Pf&& pf = Pf{}) {
   constexpr int64_t P = panel_width<U>(), K = Mac<U>::kPack;
   static_assert(P == 2 * Simd<T>::W, "a panel is two accumulator vectors wide");
   auto block = [&](auto nv_tag, int64_t i, int64_t j) {
@@ -121,7 +129,7 @@ void gemm(int64_t m, int64_t n, int64_t kdim, const U* a, int64_t lda, const BMa
     const U* ab = kATrans ? a + i + kb * lda : a + i * lda + kb;
     const U* bb = b.p + (j / P) * b.panel + (j % P) + kb * b.ld;
     micro_rows<T, U, kATrans, kAccumulate, NV>(static_cast<int>(rows), std::max<int64_t>(ke - kb, 0), ab, lda, bb,
-                                               b.ld, c + i * ldc + j, ldc);
+                                               b.ld, c + i * ldc + j, ldc, pf);
   };
   int64_t j = 0;
   // Column blocks outside, row blocks inside: the kdim x P panel of B stays
@@ -133,15 +141,15 @@ void gemm(int64_t m, int64_t n, int64_t kdim, const U* a, int64_t lda, const BMa
 }
 
 // C = A B, C += A B, and C += A^T B with A stored [kdim][lda].
-template <class T, class U>
+template <class T, class U, class Pf = NoPrefetch>
 void gemm_set(int64_t m, int64_t n, int64_t kdim, const U* a, int64_t lda, const BMat<U>& b, T* c, int64_t ldc,
-              const Ragged& rg = {}) {
-  gemm<T, U, false, false>(m, n, kdim, a, lda, b, c, ldc, rg);
+              const Ragged& rg = {}, Pf&& pf = Pf{}) {
+  gemm<T, U, false, false>(m, n, kdim, a, lda, b, c, ldc, rg, pf);
 }
-template <class T, class U>
+template <class T, class U, class Pf = NoPrefetch>
 void gemm_add(int64_t m, int64_t n, int64_t kdim, const U* a, int64_t lda, const BMat<U>& b, T* c, int64_t ldc,
-              const Ragged& rg = {}) {
-  gemm<T, U, false, true>(m, n, kdim, a, lda, b, c, ldc, rg);
+              const Ragged& rg = {}, Pf&& pf = Pf{}) {
+  gemm<T, U, false, true>(m, n, kdim, a, lda, b, c, ldc, rg, pf);
 }
 template <class T, class U>
 void gemm_add_at(int64_t m, int64_t n, int64_t kdim, const U* a, int64_t lda, const BMat<U>& b, T* c, int64_t ldc,

@@ -70,26 +70,16 @@ struct Rows {
   }
   // Whether rows [0, n) lie rs apart (then (*this)(0) + r * rs is row r).
   bool strided(int64_t n) const { return table == nullptr || n <= 1 || first / block == (first + n - 1) / block; }
+  // How many of rows [j, n) lie rs apart from row j on (the rest of its block).
+  int64_t run(int64_t j, int64_t n) const {
+    return table == nullptr ? n - j : std::min(n - j, block - (first + j) % block);
+  }
   // Whether rows [0, n) of `cols` elements lie back to back, one run of memory.
   bool back_to_back(int64_t n, int64_t cols) const { return rs == cols && strided(n); }
 };
 template <class S>
 Rows<S> strided_rows(const S* base, int64_t rs) {
   return Rows<S>{base, rs};
-}
-
-// dst[r * ldd + c] = mul * src(r)[c] for c < cols, 0 for cols <= c < ldd.
-template <class S, class A>
-void pack_rows(const Rows<S>& src, int64_t rows, int64_t cols, A* dst, int64_t ldd, A mul) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const S* s = src(r);
-    A* d = dst + r * ldd;
-    if (mul == A(1))
-      for (int64_t c = 0; c < cols; ++c) d[c] = to_acc(s[c]);
-    else
-      for (int64_t c = 0; c < cols; ++c) d[c] = to_acc(s[c]) * mul;
-    for (int64_t c = cols; c < ldd; ++c) d[c] = A(0);
-  }
 }
 
 // The transposing packer works on 8 x 8 blocks whatever the ISA's width (a
@@ -112,6 +102,21 @@ DIMATTN_INLINE vf8 load8(const Half* p) {
   vf8 r;
   half8_to_float(&p->bits, reinterpret_cast<float*>(&r));
   return r;
+}
+
+// dst[r * ldd + c] = mul * src(r)[c] for c < cols, 0 for cols <= c < ldd.
+// float: 8 elements at a time (bfloat16 and float16 widened by load8).
+template <class S, class A>
+void pack_rows(const Rows<S>& src, int64_t rows, int64_t cols, A* dst, int64_t ldd, A mul) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const S* s = src(r);
+    A* d = dst + r * ldd;
+    int64_t c = 0;
+    if constexpr (std::is_same_v<A, float>)
+      for (; c + 8 <= cols; c += 8) vstore(d + c, load8(s + c) * mul);
+    for (; c < cols; ++c) d[c] = to_acc(s[c]) * mul;
+    for (c = cols; c < ldd; ++c) d[c] = A(0);
+  }
 }
 
 // In-register transpose of an 8 x 8 float block (rows in, columns out):
@@ -179,6 +184,24 @@ void pack_transposed(const Rows<S>& src, int64_t rows, int64_t pad_rows, int64_t
   }
   for (int64_t rr = rows; rr < pad_rows; ++rr)
     for (int64_t c = 0; c < cols; ++c) at(c, rr) = A(0);
+}
+
+// dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols: float in 8 x 8
+// blocks through registers where both counts are whole blocks.
+template <class A>
+void transpose_into(const A* src, int64_t rows, int64_t cols, int64_t lds, A* dst, int64_t ldd) {
+  int64_t r0 = 0;
+  if constexpr (std::is_same_v<A, float>) {
+    for (; r0 + 8 <= rows && cols % 8 == 0; r0 += 8)
+      for (int64_t c = 0; c < cols; c += 8) {
+        vf8 in[8], out[8];
+        for (int t = 0; t < 8; ++t) in[t] = load8(src + (r0 + t) * lds + c);
+        transpose8x8(in, out);
+        for (int t = 0; t < 8; ++t) vstore(dst + (c + t) * ldd + r0, out[t]);
+      }
+  }
+  for (int64_t r = r0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
 }
 
 // B = src in panel-major form: element (k = r, j = c) is src(r)[c] for

@@ -274,6 +274,7 @@ struct ForwardOperands<uint16_t, float> {
   Bf16Pair *kt, *vs;
   uint16_t* pw;  // the weights of a block in bfloat16, [bq][ldk]
 
+  static constexpr bool kRowProducts = false;  // pairs are packed
   static int64_t k_elements(int64_t D, int64_t ldk) { return (D + 1) / 2 * round_up(ldk, kPairPanel); }
   static int64_t v_elements(int64_t bk, int64_t dvp) { return (bk + 1) / 2 * round_up(dvp, kPairPanel); }
   static int64_t need(int64_t bq, int64_t bk, int64_t D, int64_t ldk, int64_t dvp, int64_t slots) {
