@@ -82,24 +82,6 @@ struct LineStream {
   }
 };
 
-// W elements of S at p as a vector of A (bfloat16 and float16 widened to float).
-template <class A, class S>
-DIMATTN_INLINE typename Simd<A>::V load_as(const S* p) {
-  using V = typename Simd<A>::V;
-  if constexpr (std::is_same_v<S, A>) {
-    return vload<V>(p);
-  } else if constexpr (std::is_same_v<S, uint16_t>) {  // bfloat16: the upper half of a float
-    typedef uint16_t vh __attribute__((vector_size(sizeof(V) / 2)));
-    const vi bits = __builtin_convertvector(vload<vh>(p), vi) << 16;
-    V r;
-    std::memcpy(&r, &bits, sizeof r);
-    return r;
-  } else {
-    static_assert(std::is_same_v<S, Half>, "bfloat16, float16 or the accumulation type");
-    return halves_to_vf(&p->bits);
-  }
-}
-
 // The lane sums of W vectors as one vector (lane i: the sum of x[i]'s lanes).
 // Each step adds the two halves of every block of lanes while pairing the
 // vectors, so W sums take W - 1 additions and 2 (W - 1) shuffles instead of

@@ -25,6 +25,24 @@ struct Half {
 };
 DIMATTN_INLINE float to_acc(Half h) { return half_to_float(h.bits); }
 
+// W elements of S at p as a vector of A (bfloat16 and float16 widened to float).
+template <class A, class S>
+DIMATTN_INLINE typename Simd<A>::V load_as(const S* p) {
+  using V = typename Simd<A>::V;
+  if constexpr (std::is_same_v<S, A>) {
+    return vload<V>(p);
+  } else if constexpr (std::is_same_v<S, uint16_t>) {  // bfloat16: the upper half of a float
+    typedef uint16_t vh __attribute__((vector_size(sizeof(V) / 2)));
+    const vi bits = __builtin_convertvector(vload<vh>(p), vi) << 16;
+    V r;
+    std::memcpy(&r, &bits, sizeof r);
+    return r;
+  } else {
+    static_assert(std::is_same_v<S, Half>, "bfloat16, float16 or the accumulation type");
+    return halves_to_vf(&p->bits);
+  }
+}
+
 DIMATTN_INLINE void from_acc(float x, float* dst) { *dst = x; }
 DIMATTN_INLINE void from_acc(float x, Half* dst) { dst->bits = float_to_half(x); }
 DIMATTN_INLINE void from_acc(double x, double* dst) { *dst = x; }
@@ -105,15 +123,20 @@ DIMATTN_INLINE vf8 load8(const Half* p) {
 }
 
 // dst[r * ldd + c] = mul * src(r)[c] for c < cols, 0 for cols <= c < ldd.
-// float: 8 elements at a time (bfloat16 and float16 widened by load8).
+// float: a vector at a time (bfloat16 and float16 widened by load_as), then
+// 8 elements. The row products' 16-bit tiles: a vector at a time against 8
+// elements, 0.91-0.92x the time of a multi-query call (Intel Xeon, family 6
+// model 207; B = 1, 32k positions, calls alternating in one process).
 template <class S, class A>
 void pack_rows(const Rows<S>& src, int64_t rows, int64_t cols, A* dst, int64_t ldd, A mul) {
   for (int64_t r = 0; r < rows; ++r) {
     const S* s = src(r);
     A* d = dst + r * ldd;
     int64_t c = 0;
-    if constexpr (std::is_same_v<A, float>)
+    if constexpr (std::is_same_v<A, float>) {
+      for (; c + Simd<A>::W <= cols; c += Simd<A>::W) vstore(d + c, load_as<A>(s + c) * mul);
       for (; c + 8 <= cols; c += 8) vstore(d + c, load8(s + c) * mul);
+    }
     for (; c < cols; ++c) d[c] = to_acc(s[c]) * mul;
     for (c = cols; c < ldd; ++c) d[c] = A(0);
   }
