@@ -1,7 +1,8 @@
 // Determinism of the CPU kernels (docs/reliability.md): the same inputs and
 // seed give bitwise identical forward results and gradients across repeated
-// runs and across threads; across processes and thread counts, bitwise where
-// dimattn owns the arithmetic and to rounding where ATen does.
+// runs and across threads; across processes, bitwise where dimattn owns the
+// arithmetic; across thread counts, bitwise there and to rounding where ATen
+// does the arithmetic.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -288,84 +289,54 @@ std::string kernel_case_name(const ::testing::TestParamInfo<KernelCase>& info) {
 }
 INSTANTIATE_TEST_SUITE_P(CpuKernels, Determinism, ::testing::ValuesIn(cpu_kernels()), kernel_case_name);
 
-// Across processes: a child process (this binary, this test) computes every
-// kernel's result on every case; it must equal ours. Catches results that
-// depend on addresses (ASLR), e.g. through an order of dims by pointer:
-// bitwise where dimattn owns the arithmetic, to rounding on ATen's paths
-// (bitwise_across_thread_counts). On an Intel Xeon (family 6 model 207) the
-// torch backend's reference path gave other bits for causal_padded in about
-// one process of 35: ATen's matmuls and reductions do not promise the same
-// bits from one process to the next.
-struct CaseRun {
-  size_t n_forward = 0;
-  std::vector<double> values;
-};
-std::vector<CaseRun> all_runs() {
-  std::vector<CaseRun> runs;
+// Across processes: a child process (this binary, this test) computes the
+// result of every case on every kernel whose arithmetic dimattn owns
+// (bitwise_across_thread_counts); it must equal ours bit for bit. Catches
+// results that depend on addresses (ASLR), e.g. through an order of dims by
+// pointer. ATen's paths make no such promise: on an Intel Xeon (family 6
+// model 207) the torch backend's reference path (ATen's matmuls, softmax and
+// reductions) computed one (batch, head) of the causal padded case up to
+// 2.5e-5 apart (relative) in about one process of 35, beyond float32's
+// reference tolerance; docs/reliability.md.
+std::vector<KernelCase> owned_kernels() {
+  std::vector<KernelCase> ks;
   for (const KernelCase& kc : cpu_kernels())
+    if (bitwise_across_thread_counts(kc.backend, kc.kernel)) ks.push_back(kc);
+  return ks;
+}
+
+uint64_t all_digest(std::vector<std::string>* names = nullptr, std::vector<uint64_t>* each = nullptr) {
+  uint64_t h = 1469598103934665603ULL;
+  for (const KernelCase& kc : owned_kernels())
     for (const Case& c : cases()) {
       std::string why;
-      CaseRun r;
-      r.values = run_case(kc.backend, kc.kernel, c, true, &why, &r.n_forward);
-      runs.push_back(std::move(r));
+      const std::vector<double> r = run_case(kc.backend, kc.kernel, c, true, &why);
+      h = digest(r, h);
+      if (names) names->push_back(kc.backend + "/" + kc.kernel + " " + c.name), each->push_back(digest(r));
     }
-  return runs;
+  return h;
 }
 
-void write_runs(const std::string& path, const std::vector<CaseRun>& runs) {
-  std::ofstream f(path, std::ios::binary);
-  for (const CaseRun& r : runs) {
-    const uint64_t head[2] = {r.n_forward, r.values.size()};
-    f.write(reinterpret_cast<const char*>(head), sizeof head);
-    f.write(reinterpret_cast<const char*>(r.values.data()), static_cast<std::streamsize>(r.values.size() * sizeof(double)));
-  }
-}
-
-std::vector<CaseRun> read_runs(const std::string& path, size_t count) {
-  std::ifstream f(path, std::ios::binary);
-  std::vector<CaseRun> runs(count);
-  for (CaseRun& r : runs) {
-    uint64_t head[2] = {0, 0};
-    if (!f.read(reinterpret_cast<char*>(head), sizeof head)) return {};
-    r.n_forward = head[0];
-    r.values.resize(head[1]);
-    if (!f.read(reinterpret_cast<char*>(r.values.data()), static_cast<std::streamsize>(head[1] * sizeof(double))))
-      return {};
-  }
-  return runs;
-}
-
-TEST(DeterminismAcrossProcesses, ChildProcessComputesTheSameResults) {
+TEST(DeterminismAcrossProcesses, ChildProcessComputesTheSameBits) {
   if (const char* out = std::getenv("DIMATTN_DETERMINISM_CHILD_OUT")) {
-    write_runs(out, all_runs());
+    std::ofstream(out) << all_digest() << "\n";
     return;
   }
-  const std::vector<CaseRun> mine = all_runs();
-  const std::string file = ::testing::TempDir() + "dimattn_determinism_child_" + std::to_string(::getpid()) + ".bin";
+  ASSERT_GE(owned_kernels().size(), 2u) << "cpu_flash on every backend, the Eigen backend's reference";
+  std::vector<std::string> names;
+  std::vector<uint64_t> each;
+  const uint64_t mine = all_digest(&names, &each);
+  const std::string file = ::testing::TempDir() + "dimattn_determinism_child_" + std::to_string(::getpid()) + ".txt";
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   const std::string cmd = "DIMATTN_DETERMINISM_CHILD_OUT='" + file + "' '" + self +
                           "' --gtest_filter=DeterminismAcrossProcesses.* > /dev/null 2>&1";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  const std::vector<CaseRun> theirs = read_runs(file, mine.size());
+  uint64_t theirs = 0;
+  std::ifstream(file) >> theirs;
   std::remove(file.c_str());
-  ASSERT_EQ(theirs.size(), mine.size()) << "the child's results in " << file;
-  size_t i = 0, compared = 0;
-  for (const KernelCase& kc : cpu_kernels())
-    for (const Case& c : cases()) {
-      const CaseRun &a = mine[i], &b = theirs[i];
-      ++i;
-      const std::string what = kc.backend + "/" + kc.kernel + " " + c.name;
-      if (a.values.empty() && b.values.empty()) continue;  // rejected in both (run_checked's business)
-      ++compared;
-      EXPECT_EQ(a.n_forward, b.n_forward) << what;
-      if (bitwise_across_thread_counts(kc.backend, kc.kernel))
-        EXPECT_EQ(digest(b.values), digest(a.values)) << what;
-      else
-        expect_rounding_close(b.values, a.values, a.n_forward, c.dtype, what);
-    }
-  size_t expected = 0;
-  for (const KernelCase& kc : cpu_kernels()) expected += cases_to_run(kc.kernel);
-  EXPECT_EQ(compared, expected);
+  std::string listed;
+  for (size_t i = 0; i < names.size(); ++i) listed += names[i] + " " + std::to_string(each[i]) + "\n";
+  EXPECT_EQ(theirs, mine) << "our digests per kernel and case:\n" << listed;
 }
 
 }  // namespace
