@@ -186,7 +186,8 @@ TEST(CpuFlashPaged, RowProductsReadRunsOfBlocks) {
   // whole tiles), or converted first (bfloat16, float16). Rows bounded
   // inside a tile (causal, a window), lengths that end inside a block,
   // heads-outer pools of small blocks (one task over both kv heads), a split
-  // cache; Dv = 40 is no whole number of AVX-512 vectors (packed there).
+  // cache; Dv = 40 is no whole number of AVX-512 vectors (packed there); 20
+  // rows per block.
   int ran = 0;
   for (ElementType t : kAllTypes) {
     for (int64_t ps : {0, 1, 7, 16, 512})
@@ -208,8 +209,12 @@ TEST(CpuFlashPaged, RowProductsReadRunsOfBlocks) {
     check_paged(s, ran);
     s.name = "row products Dv=40", s.Dv = 40, s.page_size = 0, s.Tk = 700, s.offsets = {699};
     check_paged(s, ran);
+    // 20 rows per block: on the generic path (4 lanes) their scores transpose in no whole 8 x 8 blocks.
+    s.name = "row products 20 rows", s.H = 10, s.Tq = 2, s.Dv = 32, s.Tk = 300, s.offsets = {298};
+    s.page_size = 16;
+    check_paged(s, ran);
   }
-  EXPECT_EQ(ran, 44);
+  EXPECT_EQ(ran, 48);
 }
 
 TEST(CpuFlashPaged, RejectsBadTablesAndPools) {

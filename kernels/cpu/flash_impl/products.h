@@ -109,7 +109,8 @@ struct ForwardOperands {
       gemm_set(len, mq, D, rows, rs, row_major(qc, mq), st + j * mq, mq, Ragged{}, ahead);
     });
     fill(st + n * mq, (np - n) * mq, A(0));
-    transpose_into(st, np, round_up(m, 8), mq, s, ldk);
+    // Whole 8 x 8 blocks where the columns allow (at most mq: st's rows).
+    transpose_into(st, np, std::min(round_up(m, 8), mq), mq, s, ldk);
   }
   // Row r of w holds weights in [lbs[r], nvs[r]) (nullptr: [0, n)) and zeros
   // elsewhere: runs shorter than the tile multiply the zeros too.
