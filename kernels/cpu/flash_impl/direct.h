@@ -61,24 +61,23 @@ struct RowsAhead {
   }
 };
 
-// Rows that a product asks towards L2 one cache line per k step (the
+// The same rows asked one cache line per k step of a product (the
 // micro-kernel's Pf, micro_kernel.h): the fetches spread over the product
 // instead of coming in a burst that would stall it.
 template <class S>
 struct LineStream {
-  const Rows<S>* rows = nullptr;
-  int64_t n = 0, bytes = 0;  // rows [0, n) of `bytes` each
-  int64_t r = 0, off = 0;
+  RowsAhead<S> rows;
+  int64_t r = 0, off = 0;  // the next line: row r, byte off
   const char* at = nullptr;
-  LineStream(const Rows<S>* rows_, int64_t n_, int64_t bytes_) : rows(rows_), n(n_), bytes(bytes_) {
-    if (n > 0) at = reinterpret_cast<const char*>((*rows)(0));
+  explicit LineStream(const RowsAhead<S>& rows_) : rows(rows_) {
+    if (rows.n > 0) at = reinterpret_cast<const char*>((*rows.rows)(0));
   }
   DIMATTN_INLINE void step() {
-    if (r >= n) return;
+    if (r >= rows.n) return;
     __builtin_prefetch(at + off, 0, 2);
-    if ((off += 64) < bytes) return;
+    if ((off += 64) < rows.bytes) return;
     off = 0;
-    if (++r < n) at = reinterpret_cast<const char*>((*rows)(r));
+    if (++r < rows.n) at = reinterpret_cast<const char*>((*rows.rows)(r));
   }
 };
 

@@ -271,11 +271,15 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
     const Rows<S> kt = k.from(j0), vt = v.from(j0), kn = k.from(j0 + w.bk), vn = v.from(j0 + w.bk);
     const int64_t next_n = std::min(w.bk, kv_end - j0 - w.bk);  // the next tile's positions (<= 0: none)
     typename Operands::VMat vmat{};
+    // What the products read in place ask towards L2 meanwhile: the tile's v
+    // rows during the scores, the next tile's k rows during P V.
+    const RowsAhead<S> v_now{&vt, n, Dv * static_cast<int64_t>(sizeof(S))},
+        k_next{&kn, next_n, D * static_cast<int64_t>(sizeof(S))};
     if (direct) {
-      ops.direct_scores(m, n, kt, w.s, RowsAhead<S>{&vt, n, Dv * static_cast<int64_t>(sizeof(S))});
+      ops.direct_scores(m, n, kt, w.s, v_now);
     } else if (row_products) {
       if constexpr (Operands::kRowProducts) {
-        ops.row_scores(m, n, np, kt, w.qc, mq, w.st, w.s, LineStream<S>(&vt, n, Dv * static_cast<int64_t>(sizeof(S))));
+        ops.row_scores(m, n, np, kt, w.qc, mq, w.st, w.s, LineStream<S>(v_now));
       }
     } else {
       const int64_t slot = w.tile(k, v, Dv, kv_len, b, hk, j0 / w.bk);
@@ -368,11 +372,10 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
       }
     }
     if (direct) {
-      ops.direct_pv(m, n, Dv, w.s, vt, w.o, dvp, lbs, nvs, RowsAhead<S>{&kn, next_n, D * static_cast<int64_t>(sizeof(S))});
+      ops.direct_pv(m, n, Dv, w.s, vt, w.o, dvp, lbs, nvs, k_next);
     } else if (row_products) {
       if constexpr (Operands::kRowProducts)
-        ops.row_pv(m, n, w.s, vt, w.o, dvp, lbs, nvs,
-                   LineStream<S>(&kn, std::max<int64_t>(next_n, 0), D * static_cast<int64_t>(sizeof(S))));
+        ops.row_pv(m, n, w.s, vt, w.o, dvp, lbs, nvs, LineStream<S>(k_next));
     } else
       ops.add_pv(m, n, w.s, vmat, w.o, dvp, lbs, nvs);
   }
