@@ -133,6 +133,13 @@ TEST(CpuFlashDecode, ChunkingDependsOnTheShapeOnly) {
   const int64_t all = cpu_flash::decode_chunk_tiles(1, tiles, bk, 8);
   EXPECT_LT(all, one);
   EXPECT_GE(all * bk * 8, cpu_flash::decode_min_chunk_positions());
+  // A lone block over a short cache still splits in two (one task would idle
+  // every other thread); two blocks do not.
+  const int64_t short_tiles = cpu_flash::decode_min_chunk_positions() / bk;
+  ASSERT_GE(short_tiles, 2);
+  EXPECT_EQ(cpu_flash::decode_chunk_tiles(1, short_tiles, bk), (short_tiles + 1) / 2);
+  EXPECT_EQ(cpu_flash::decode_chunk_tiles(1, 1, bk), 1);
+  EXPECT_EQ(cpu_flash::decode_chunk_tiles(2, short_tiles, bk), short_tiles);
 }
 
 // Paged caches: forward only (the kernel reads pools; gradients go to tensors).

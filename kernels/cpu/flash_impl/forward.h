@@ -158,10 +158,14 @@ struct ChunkState {
 // Blocks rows of br over kv positions [c0, c1) (c0 a multiple of bk):
 // writes out and lse, or (state != nullptr) the rows' softmax state.
 // rel: the relative positions' term (rel_pos.h) of a one-head block, or nullptr.
+// after: k rows that the products reading in place (decoding) ask towards L2
+// during the last tile, as they ask the next tile's during the others: the
+// first rows of the caller's next block, whose first tile would otherwise
+// come from memory unasked.
 template <class S, class A>
 void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, const MaskTiles& tiles,
                    const BlockRows& br, int64_t c0, int64_t c1, ForwardScratch<S, A>& w, RelPosForward<S, A>* rel,
-                   const ChunkState<A>* state) {
+                   const ChunkState<A>* state, const RowsAhead<S>& after = {}) {
   constexpr int W = Simd<A>::W;
   constexpr A kInf = std::numeric_limits<A>::infinity();
   const int64_t D = p.head_dim, Dv = p.head_dim_v, dvp = w.dvp, ldk = w.ldk;
@@ -274,7 +278,7 @@ void forward_block(const AttentionKernelParams& p, const DropoutSpec<A>& drop, c
     // What the products read in place ask towards L2 meanwhile: the tile's v
     // rows during the scores, the next tile's k rows during P V.
     const RowsAhead<S> v_now{&vt, n, Dv * static_cast<int64_t>(sizeof(S))},
-        k_next{&kn, next_n, D * static_cast<int64_t>(sizeof(S))};
+        k_next = next_n > 0 ? RowsAhead<S>{&kn, next_n, D * static_cast<int64_t>(sizeof(S))} : after;
     if (direct) {
       ops.direct_scores(m, n, kt, w.s, v_now);
     } else if (row_products) {
@@ -447,10 +451,28 @@ void forward_decode(const AttentionKernelParams& p, const ParallelFor& parallel_
     const int64_t b = t / (p.kv_heads * nhb), hk = t / nhb % p.kv_heads, g0 = t % nhb * hb;
     return BlockRows{b, hk * G + g0, std::min(hb, G - g0), 0, Tq};
   };
+  // Block t's kv positions from c0 on, at most a tile of them within its
+  // sequence: what the task before it asks towards L2 during its last tile.
+  // B = 8, 32 query heads over 8 kv heads, 4k positions: 0.97x the time
+  // (calls alternating in one process; Intel Xeon, family 6 model 207,
+  // 2 threads).
+  struct FirstRows {
+    Rows<S> k;
+    RowsAhead<S> ahead;
+    FirstRows(const AttentionKernelParams& p, const BlockRows& br, int64_t c0, int64_t bk)
+        : k(kv_rows<S>(p, p.k, p.k_strides, p.pages.k_block_stride, br.b, br.h0 / p.group_size()).from(c0)) {
+      const int64_t len = p.kv_lengths ? std::min(p.seqlen_k, p.kv_lengths[br.b]) : p.seqlen_k;
+      ahead = {&k, std::min(bk, len - c0), p.head_dim * static_cast<int64_t>(sizeof(S))};
+    }
+    FirstRows(const FirstRows&) = delete;  // ahead points into k
+  };
   if (chunks == 1 && !interleaved) {
     parallel_for(0, blocks, [&](int64_t t0, int64_t t1) {
       ForwardScratch<S, A> w(p, bq, bk, false);
-      for (int64_t t = t0; t < t1; ++t) forward_block<S, A>(p, drop, tiles, block(t), 0, p.seqlen_k, w, nullptr, nullptr);
+      for (int64_t t = t0; t < t1; ++t) {
+        const FirstRows next(p, block(std::min(t + 1, t1 - 1)), 0, t + 1 < t1 ? bk : 0);
+        forward_block<S, A>(p, drop, tiles, block(t), 0, p.seqlen_k, w, nullptr, nullptr, next.ahead);
+      }
     });
     return;
   }
@@ -520,10 +542,11 @@ void forward_decode(const AttentionKernelParams& p, const ParallelFor& parallel_
     parallel_for(0, blocks * chunks, [&](int64_t t0, int64_t t1) {
       ForwardScratch<S, A> w(p, bq, bk, false);
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t c = t % chunks;
+        const int64_t c = t % chunks, tn = std::min(t + 1, t1 - 1);
         const ChunkState<A> st = state_of(t / chunks, c);
+        const FirstRows next(p, block(tn / chunks), tn % chunks * chunk_len, t + 1 < t1 ? bk : 0);
         forward_block<S, A>(p, drop, tiles, block(t / chunks), c * chunk_len,
-                            std::min(p.seqlen_k, (c + 1) * chunk_len), w, nullptr, &st);
+                            std::min(p.seqlen_k, (c + 1) * chunk_len), w, nullptr, &st, next.ahead);
       }
     });
   }
