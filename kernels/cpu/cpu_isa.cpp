@@ -5,6 +5,8 @@
 #include <string>
 #include <utility>
 
+#include "cpu/flash_attention_heuristics.h"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define DIMATTN_X86_CPUID 1
 #include <cpuid.h>
@@ -29,6 +31,8 @@ CpuFeatures read_cpu_features() {
   CpuFeatures f;
 #if DIMATTN_X86_CPUID
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return f;
+  f.amd = ebx == 0x68747541u && edx == 0x69746e65u && ecx == 0x444d4163u;  // "Auth" "enti" "cAMD"
   if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return f;
   const bool osxsave = ecx & bit_OSXSAVE;
   f.fma = ecx & bit_FMA;
@@ -61,6 +65,11 @@ CpuFeatures read_cpu_features() {
 CpuFeatures cpu_features() {
   static const CpuFeatures f = read_cpu_features();
   return f;
+}
+
+bool cpu_flash::decode_prefetch_whole_rows() {
+  static const bool on = !cpu_features().amd;
+  return on;
 }
 
 std::string missing_cpu_flags(CpuIsa isa, const CpuFeatures& have) {

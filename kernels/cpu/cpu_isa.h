@@ -32,6 +32,9 @@ const char* cpu_isa_name(CpuIsa isa);
 struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512dq = false, avx512vl = false, avx512_bf16 = false;
+  // The vendor is AMD ("AuthenticAMD"): for the choices whose best differs
+  // between AMD's and Intel's cores as measured (flash_impl/direct.h).
+  bool amd = false;
 };
 CpuFeatures cpu_features();  // this CPU, read once
 

@@ -1,7 +1,8 @@
 #pragma once
 // Tile sizes and work splits of the CPU flash attention kernel. Every choice
-// here depends only on the problem's shape (never on the thread count), which
-// keeps results bitwise equal whatever pool runs the kernel.
+// here that can change a result depends only on the problem's shape (never on
+// the thread count), which keeps results bitwise equal whatever pool runs the
+// kernel; one prefetch choice depends on the CPU's vendor.
 #include <algorithm>
 #include <cstdint>
 
@@ -50,6 +51,18 @@ constexpr bool fwd_decode(int64_t seqlen_q) { return seqlen_q <= 16; }
 // products read them, but each k row's element broadcast to many query rows.
 // Against the direct products there, float32 took 1.18x, bfloat16 1.08x.
 constexpr int64_t decode_direct_rows() { return 16; }
+
+// Whether the direct products also ask towards L1 for the float32 rows they
+// read whole and back to back (flash_impl/direct.h's kReadWholeRows): not on
+// AMD's cores, whose prefetchers follow such rows alone (Zen 4: 16 rows ahead
+// took 1.13x the time); on Intel's they do not. B = 1, 32 query over 8 kv
+// heads, a float32 heads-outer cache, 8 rows ahead against none (calls
+// alternating in one process; Intel Xeon, family 6 model 207, 2 threads,
+// five runs over an hour): 32k positions 0.86-0.96x the time, 4k 0.89-0.92x,
+// 128k 0.89x, B = 8 0.94x; 4 query positions 0.83-1.10x (no clear gain).
+// Per CPU vendor, not per shape: a prefetch changes no result. Defined in
+// cpu/cpu_isa.cpp (cpuid).
+bool decode_prefetch_whole_rows();
 
 // Decoding splits each kv head's positions into chunks of whole tiles when
 // its blocks (batch entries x kv heads x head groups) are fewer than

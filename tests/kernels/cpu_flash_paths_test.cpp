@@ -3,6 +3,9 @@
 // differences.
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <string>
+
 #include "cpu_flash_check.h"
 
 namespace dimattn::kernels {
@@ -42,6 +45,16 @@ TEST(CpuIsa, CapNamesWhatIsMissing) {
                                      "avx512 or avx512_bf16"),
             std::string::npos)
       << error("AVX2", bf16);
+}
+
+TEST(CpuIsa, VendorIsTheOneProcCpuinfoNames) {
+  std::ifstream info("/proc/cpuinfo");
+  std::string line, vendor;
+  while (vendor.empty() && std::getline(info, line))
+    if (line.rfind("vendor_id", 0) == 0) vendor = line.substr(line.find(':') + 2);
+  if (vendor.empty()) GTEST_SKIP() << "/proc/cpuinfo names no vendor_id here";
+  EXPECT_EQ(cpu_features().amd, vendor == "AuthenticAMD") << vendor;
+  EXPECT_EQ(cpu_flash::decode_prefetch_whole_rows(), vendor != "AuthenticAMD") << vendor;
 }
 
 TEST(CpuIsa, Bf16PathRunsBfloat16Only) {

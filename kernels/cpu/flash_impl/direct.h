@@ -24,11 +24,12 @@ DIMATTN_INLINE void prefetch_row(const void* row, int64_t bytes) {
 // Whether the direct products read float32 rows of W >= 16 floats (AVX-512)
 // whole, one row after the other, instead of a vector of each of several
 // rows in turn. Read whole, rows that lie back to back form one stream that
-// the hardware prefetchers follow alone, so that the rows ahead need no
-// prefetch instructions towards L1 (kPrefetchRows); interleaved, they needed
-// them. Measured, B = 1, 32 query over 8 kv heads, a 32k-position heads-
-// outer float32 cache (in one process, against the interleaved order with
-// its prefetches; AMD EPYC Zen 4, 2 threads): 0.85-0.88x the time; the
+// AMD's hardware prefetchers follow alone, so that there the rows ahead need
+// no prefetch instructions towards L1 (kPrefetchRows; 16 rows ahead took
+// 1.13x the time); interleaved, they needed them. Measured, B = 1, 32 query
+// over 8 kv heads, a 32k-position heads-outer float32 cache (in one process,
+// against the interleaved order with its prefetches; AMD EPYC Zen 4, 2
+// threads): 0.85-0.88x the time; the
 // layouts that interleave the kv heads 0.92-0.99x. The price: a cache that
 // the last level cache holds (1k-2k positions, the same call repeated)
 // takes 1.15-1.4x the time, q's loads now beside every k vector's; decoding
@@ -41,9 +42,11 @@ constexpr bool kReadWholeRows = std::is_same_v<A, S> && std::is_same_v<A, float>
 // Whether a direct product asks for the rows ahead of rows [0, n) of
 // `cols` elements towards L1 (kPrefetchRows): not where kReadWholeRows reads
 // them as one stream.
+// Intel's cores want the instructions there too
+// (cpu_flash::decode_prefetch_whole_rows).
 template <class A, class S>
 bool prefetch_rows_ahead(const Rows<S>& rows, int64_t n, int64_t cols) {
-  return !(kReadWholeRows<A, S> && rows.back_to_back(n, cols));
+  return !(kReadWholeRows<A, S> && rows.back_to_back(n, cols)) || cpu_flash::decode_prefetch_whole_rows();
 }
 // Rows that the direct products ask towards L2 while they read others: the
 // tile's v rows during its scores, the next tile's k rows during P V, so
