@@ -76,7 +76,7 @@ bool decode_prefetch_whole_rows();
 // (calls alternating in one process; Intel Xeon, family 6 model 207, 2
 // threads): 1k positions float32 0.68-0.72x the time, bfloat16 0.65x; 2k
 // float32 0.62x. Smaller chunks throughout (2048 positions / 8 for such
-// blocks) took 1.06-1.13x the time at 4k and 32k: each chunk sets up its
+// blocks) took 1.05-1.21x the time at 4k and 32k: each chunk sets up its
 // 32 rows and leaves their state. Depends on the shape only: any pool gets
 // the same chunks and the same result.
 constexpr int64_t decode_min_tasks() { return 64; }
