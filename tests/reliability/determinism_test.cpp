@@ -305,14 +305,16 @@ std::vector<KernelCase> owned_kernels() {
   return ks;
 }
 
-uint64_t all_digest(std::vector<std::string>* names = nullptr, std::vector<uint64_t>* each = nullptr) {
+// The digest of every owned kernel's every case; `listed` (if given) gets a
+// line per kernel and case with that result's own digest.
+uint64_t all_digest(std::string* listed = nullptr) {
   uint64_t h = 1469598103934665603ULL;
   for (const KernelCase& kc : owned_kernels())
     for (const Case& c : cases()) {
       std::string why;
       const std::vector<double> r = run_case(kc.backend, kc.kernel, c, true, &why);
       h = digest(r, h);
-      if (names) names->push_back(kc.backend + "/" + kc.kernel + " " + c.name), each->push_back(digest(r));
+      if (listed) *listed += kc.backend + "/" + kc.kernel + " " + c.name + " " + std::to_string(digest(r)) + "\n";
     }
   return h;
 }
@@ -323,9 +325,8 @@ TEST(DeterminismAcrossProcesses, ChildProcessComputesTheSameBits) {
     return;
   }
   ASSERT_GE(owned_kernels().size(), 2u) << "cpu_flash on every backend, the Eigen backend's reference";
-  std::vector<std::string> names;
-  std::vector<uint64_t> each;
-  const uint64_t mine = all_digest(&names, &each);
+  std::string listed;
+  const uint64_t mine = all_digest(&listed);
   const std::string file = ::testing::TempDir() + "dimattn_determinism_child_" + std::to_string(::getpid()) + ".txt";
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   const std::string cmd = "DIMATTN_DETERMINISM_CHILD_OUT='" + file + "' '" + self +
@@ -334,8 +335,6 @@ TEST(DeterminismAcrossProcesses, ChildProcessComputesTheSameBits) {
   uint64_t theirs = 0;
   std::ifstream(file) >> theirs;
   std::remove(file.c_str());
-  std::string listed;
-  for (size_t i = 0; i < names.size(); ++i) listed += names[i] + " " + std::to_string(each[i]) + "\n";
   EXPECT_EQ(theirs, mine) << "our digests per kernel and case:\n" << listed;
 }
 

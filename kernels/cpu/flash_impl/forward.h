@@ -466,11 +466,18 @@ void forward_decode(const AttentionKernelParams& p, const ParallelFor& parallel_
     }
     FirstRows(const FirstRows&) = delete;  // ahead points into k
   };
+  // Task t's block is block(t / chunks), its positions from t % chunks *
+  // chunk_len on; in a range ending at t1, the rows after task t are task
+  // t + 1's first (none after the last).
+  auto rows_after = [&](int64_t t, int64_t t1) {
+    const int64_t tn = std::min(t + 1, t1 - 1);
+    return FirstRows(p, block(tn / chunks), tn % chunks * chunk_len, t + 1 < t1 ? bk : 0);
+  };
   if (chunks == 1 && !interleaved) {
     parallel_for(0, blocks, [&](int64_t t0, int64_t t1) {
       ForwardScratch<S, A> w(p, bq, bk, false);
       for (int64_t t = t0; t < t1; ++t) {
-        const FirstRows next(p, block(std::min(t + 1, t1 - 1)), 0, t + 1 < t1 ? bk : 0);
+        const FirstRows next = rows_after(t, t1);
         forward_block<S, A>(p, drop, tiles, block(t), 0, p.seqlen_k, w, nullptr, nullptr, next.ahead);
       }
     });
@@ -542,9 +549,9 @@ void forward_decode(const AttentionKernelParams& p, const ParallelFor& parallel_
     parallel_for(0, blocks * chunks, [&](int64_t t0, int64_t t1) {
       ForwardScratch<S, A> w(p, bq, bk, false);
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t c = t % chunks, tn = std::min(t + 1, t1 - 1);
+        const int64_t c = t % chunks;
         const ChunkState<A> st = state_of(t / chunks, c);
-        const FirstRows next(p, block(tn / chunks), tn % chunks * chunk_len, t + 1 < t1 ? bk : 0);
+        const FirstRows next = rows_after(t, t1);
         forward_block<S, A>(p, drop, tiles, block(t / chunks), c * chunk_len,
                             std::min(p.seqlen_k, (c + 1) * chunk_len), w, nullptr, &st, next.ahead);
       }
