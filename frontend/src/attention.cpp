@@ -98,6 +98,20 @@ Roles roles_of(const Tensor& q, const Tensor& keys, const Tensor& values, const 
                     repr(r.keys_only), " and the query's own dims ", repr(r.query_only),
                     " (each query row its own kv length); give the query or keys that dim, or use a static axis");
     }
+  // Any other dim's lengths may not vary over key_dim or a value feature dim
+  // either: the products sum over those, so padding that differs along them
+  // has no place in the result (and the gradients, summing over the dim,
+  // failed in [copy_transpose]: found by fuzz_dot_attention).
+  for (const Tensor* t : {&q, &keys, &values})
+    for (const Dim& d : t->dims()) {
+      if (!d.is_dynamic() || d == o.axis) continue;
+      for (const Dim& x : d.lengths().dims())
+        DIMATTN_CHECK(x != o.key_dim && !contains(r.value_feature, x), kOp, "the lengths of ", d.repr(), " vary over ",
+                      x == o.key_dim ? "key_dim " : "value feature dim ", x.repr(),
+                      x == o.key_dim ? ", which the scores sum over" : ", which the gradients sum over",
+                      "; lengths may vary over batch dims, the query's own dims and "
+                      "keys-only dims (pad the dim to a static extent, or give it lengths per batch entry)");
+    }
   if (o.causal_query_spatial_dim) {
     const Dim& cq = *o.causal_query_spatial_dim;
     DIMATTN_CHECK(q.has(cq), kOp, "causal_query_spatial_dim ", cq.repr(), " is not in query ", repr(q.dims()));

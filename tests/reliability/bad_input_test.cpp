@@ -208,6 +208,20 @@ const std::map<std::string, ErrorCase>& error_cases() {
           dot_attention(e.q, random_normal({e.batch, len, e.feat}, 2, e.f32),
                         random_normal({e.batch, len, e.vfeat}, 3, e.f32), {.key_dim = e.feat, .axis = len});
         }}},
+      {"dim_lengths_over_key_dim",
+       {[](const Ex& e) {
+          // A keys' dim other than the axis, its lengths over key_dim (fuzz_dot_attention found such a
+          // dim, with values' feature dim as well, failing the gradients deep inside [copy_transpose]).
+          Dim kd = Dim::dynamic("kd", from_host({e.feat}, {2, 1, 2, 0}, e.i64));
+          dot_attention(e.q, random_normal({e.batch, e.enc, kd, e.feat}, 2, e.f32),
+                        random_normal({e.batch, e.enc, kd, e.vfeat}, 3, e.f32), e.opts());
+        }}},
+      {"dim_lengths_over_value_feature",
+       {[](const Ex& e) {
+          Dim kd = Dim::dynamic("kd", from_host({e.vfeat}, {2, 1, 2, 0}, e.i64));
+          dot_attention(e.q, random_normal({e.batch, e.enc, kd, e.feat}, 2, e.f32),
+                        random_normal({e.batch, e.enc, kd, e.vfeat}, 3, e.f32), e.opts());
+        }}},
       // --- causal ---
       {"causal_extents_differ",
        {[](const Ex& e) {
