@@ -105,12 +105,14 @@ Roles roles_of(const Tensor& q, const Tensor& keys, const Tensor& values, const 
   for (const Tensor* t : {&q, &keys, &values})
     for (const Dim& d : t->dims()) {
       if (!d.is_dynamic() || d == o.axis) continue;
-      for (const Dim& x : d.lengths().dims())
-        DIMATTN_CHECK(x != o.key_dim && !contains(r.value_feature, x), kOp, "the lengths of ", d.repr(), " vary over ",
-                      x == o.key_dim ? "key_dim " : "value feature dim ", x.repr(),
-                      x == o.key_dim ? ", which the scores sum over" : ", which the gradients sum over",
-                      "; lengths may vary over batch dims, the query's own dims and "
-                      "keys-only dims (pad the dim to a static extent, or give it lengths per batch entry)");
+      for (const Dim& x : d.lengths().dims()) {
+        const bool key = x == o.key_dim;
+        DIMATTN_CHECK(!key && !contains(r.value_feature, x), kOp, "the lengths of ", d.repr(), " vary over ",
+                      key ? "key_dim " : "value feature dim ", x.repr(),
+                      key ? ", which the scores sum over" : ", which the gradients sum over",
+                      "; lengths may vary over batch dims, the query's own dims and keys-only dims (pad the dim to a "
+                      "static extent, or give it lengths per batch entry)");
+      }
     }
   if (o.causal_query_spatial_dim) {
     const Dim& cq = *o.causal_query_spatial_dim;

@@ -29,11 +29,10 @@ DIMATTN_INLINE void prefetch_row(const void* row, int64_t bytes) {
 // 1.13x the time); interleaved, they needed them. Measured, B = 1, 32 query
 // over 8 kv heads, a 32k-position heads-outer float32 cache (in one process,
 // against the interleaved order with its prefetches; AMD EPYC Zen 4, 2
-// threads): 0.85-0.88x the time; the
-// layouts that interleave the kv heads 0.92-0.99x. The price: a cache that
-// the last level cache holds (1k-2k positions, the same call repeated)
-// takes 1.15-1.4x the time, q's loads now beside every k vector's; decoding
-// reads each layer's cache from memory. Not where the rows are bfloat16 or
+// threads): 0.85-0.88x the time; the layouts that interleave the kv heads
+// 0.92-0.99x. The price: a cache that the last level cache holds (1k-2k
+// positions, the same call repeated) takes 1.15-1.4x the time, q's loads now
+// beside every k vector's; decoding reads each layer's cache from memory. Not where the rows are bfloat16 or
 // float16 (their products cost more per byte: the q vector each k vector
 // then needs is one load more per multiply-add; 1.05-1.2x the time), nor on
 // AVX2 (equal, and worse without the prefetches).
@@ -41,9 +40,8 @@ template <class A, class S>
 constexpr bool kReadWholeRows = std::is_same_v<A, S> && std::is_same_v<A, float> && Simd<A>::W >= 16;
 // Whether a direct product asks for the rows ahead of rows [0, n) of
 // `cols` elements towards L1 (kPrefetchRows): not where kReadWholeRows reads
-// them as one stream.
-// Intel's cores want the instructions there too
-// (cpu_flash::decode_prefetch_whole_rows).
+// them as one stream, unless the CPU's prefetchers do not follow that stream
+// alone (Intel's cores: cpu_flash::decode_prefetch_whole_rows).
 template <class A, class S>
 bool prefetch_rows_ahead(const Rows<S>& rows, int64_t n, int64_t cols) {
   return !(kReadWholeRows<A, S> && rows.back_to_back(n, cols)) || cpu_flash::decode_prefetch_whole_rows();
